@@ -1,0 +1,47 @@
+"""slipstream: one plain PyTorch training script on a CPU, many processes, GPUs or machines.
+
+Example::
+
+    from slipstream import Accelerator
+    accelerator = Accelerator()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+"""
+
+from .accelerator import Accelerator, PrepareError
+from .collectives import (
+    broadcast,
+    broadcast_object_list,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+)
+from .data import skip_first_batches
+from .debug import CollectiveMismatchError
+from .kwargs import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from .random import set_seed
+from .state import DistributedType, ProcessState
+from .tree import send_to_device
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accelerator",
+    "CollectiveMismatchError",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "InitProcessGroupKwargs",
+    "PrepareError",
+    "ProcessState",
+    "__version__",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
+    "send_to_device",
+    "set_seed",
+    "skip_first_batches",
+]

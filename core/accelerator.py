@@ -1,0 +1,556 @@
+"""The Accelerator: the four-line front door to slipstream.
+
+It is a facade. The process state knows who we are, the strategy wraps models for the
+parallelism in use, the precision object runs autocast and loss scaling, the data package
+shards loaders and the collectives module moves tensors between processes.
+
+Example::
+
+    accelerator = Accelerator()
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import collectives
+from .data import ActiveLoaders, PreparedDataLoader, prepare_data_loader, skip_first_batches
+from .kwargs import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+)
+from .optimizer import AcceleratedOptimizer
+from .precision import Precision, make_precision, restore_forward
+from .scheduler import AcceleratedScheduler
+from .splitting import split_between_processes as _split
+from .state import DistributedType, ProcessState, current_state, has_current_state, set_current_state
+from .step import StepState
+from .strategies import Strategy, get_strategy_class
+from .tree import map_tensors, tensor_leaves
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# distributed_type values in the launcher's configuration -> strategy registry names.
+_STRATEGY_FOR_TYPE = {
+    "DEEPSPEED": "deepspeed",
+    "FSDP": "fsdp",
+    "MULTI_GPU": "ddp",
+    "MULTI_CPU": "ddp",
+    "NO": None,
+}
+
+
+class PrepareError(TypeError):
+    """``prepare()`` got objects it cannot prepare together."""
+
+
+def _is_scheduler(obj: Any) -> bool:
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        return True
+    return isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer) and callable(
+        getattr(obj, "step", None)
+    )
+
+
+class Accelerator:
+    """Runs one training script on a CPU, several processes, GPUs or machines.
+
+    Args:
+        device_placement: move prepared models and batches to :attr:`device`.
+        split_batches: split each batch across processes (the global batch keeps the
+            script's size) instead of giving each process a batch of that size.
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; defaults to the launcher's
+            ``--mixed_precision``, else ``"no"``.
+        gradient_accumulation_steps: micro-batches per optimizer step (see :meth:`accumulate`).
+        cpu: use the CPU even when GPUs are present.
+        even_batches: complete the final global batch so all processes take equal steps.
+        dataloader_config: a :class:`DataLoaderConfiguration` (alternative to the two above).
+        kwargs_handlers: option objects such as :class:`DistributedDataParallelKwargs`.
+        step_scheduler_with_optimizer: step prepared schedulers only with the optimizer.
+        debug: check every collective for matching calls on all ranks.
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool | None = None,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        cpu: bool | None = None,
+        even_batches: bool | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        kwargs_handlers: Sequence[KwargsHandler] | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        debug: bool | None = None,
+    ) -> None:
+        handlers = {type(h): h for h in kwargs_handlers or ()}
+        for handler in kwargs_handlers or ():
+            if not isinstance(handler, KwargsHandler):
+                raise TypeError(
+                    f"kwargs_handlers takes option objects such as DistributedDataParallelKwargs; "
+                    f"got {type(handler).__name__}"
+                )
+        init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
+        assert isinstance(init_kwargs, InitProcessGroupKwargs)
+        self.state = self._join_or_build_state(cpu, init_kwargs, debug)
+        launch = dict(self.state.launch.launch_config)
+
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        if split_batches is not None:
+            self.dataloader_config.split_batches = split_batches
+        if even_batches is not None:
+            self.dataloader_config.even_batches = even_batches
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+
+        if gradient_accumulation_steps is None:
+            gradient_accumulation_steps = int(launch.get("gradient_accumulation_steps", 1))
+        self.step_state = StepState(gradient_accumulation_steps=gradient_accumulation_steps)
+        self.mixed_precision = str(mixed_precision or launch.get("mixed_precision") or "no")
+        self.precision: Precision = make_precision(self.mixed_precision, self.state.device)
+        self.mixed_precision = self.precision.mode
+
+        self.strategy = self._build_strategy(launch, handlers)
+        self.active_loaders = ActiveLoaders()
+        self._models: list[nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[PreparedDataLoader] = []
+
+    @staticmethod
+    def _join_or_build_state(
+        cpu: bool | None, init_kwargs: InitProcessGroupKwargs, debug: bool | None
+    ) -> ProcessState:
+        if has_current_state():
+            state = current_state()
+            wants_cpu = bool(cpu) or bool(state.launch.launch_config.get("use_cpu", False))
+            if not wants_cpu or state.device.type == "cpu":
+                if debug is not None:
+                    state.debug = debug
+                return state
+        state = ProcessState.from_environment(
+            cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout, debug=debug
+        )
+        set_current_state(state)
+        return state
+
+    def _build_strategy(
+        self, launch: dict[str, Any], handlers: dict[type, KwargsHandler]
+    ) -> Strategy:
+        requested = _STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
+        name = requested or ("ddp" if self.state.num_processes > 1 else "single")
+        options: dict[str, Any] = {}
+        if name == "ddp":
+            ddp = handlers.get(DistributedDataParallelKwargs)
+            options = ddp.to_kwargs() if ddp is not None else {}
+        return get_strategy_class(name)(self.state, **options)
+
+    # -- who am I ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.strategy.distributed_type
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.step_state.gradient_accumulation_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the current micro-step synchronises gradients and steps the optimizer."""
+        return self.step_state.sync_gradients
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.step_state.optimizer_steps
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped (fp16 gradient overflow)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    @property
+    def scaler(self) -> Any:
+        return self.precision.scaler
+
+    # -- prepare ----------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers, in any order.
+
+        Models are placed on the device and wrapped for the active strategy, optimizers and
+        schedulers wrapped, dataloaders sharded; anything else is returned unchanged. The
+        results come back in the order given (a single object is returned as is).
+        """
+        if device_placement is not None and len(device_placement) != len(args):
+            raise PrepareError(
+                f"device_placement has {len(device_placement)} entries for {len(args)} objects; "
+                "give one bool per object"
+            )
+        self._check_prepare_arguments(args)
+        placements = list(device_placement or [self.device_placement] * len(args))
+        results: list[Any] = list(args)
+
+        model_slots = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)]
+        optimizer_slots = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)]
+        if model_slots or optimizer_slots:
+            models = [args[i] for i in model_slots]
+            if self.strategy_autocasts:
+                models = [self.precision.patch_forward(m) for m in models]
+            placed_all = all(placements[i] for i in model_slots)
+            wrapped, optimizers = self.strategy.setup(
+                models, [args[i] for i in optimizer_slots], device_placement=placed_all
+            )
+            for slot, model in zip(model_slots, wrapped, strict=True):
+                results[slot] = model
+                self._models.append(model)
+            for slot, optimizer in zip(optimizer_slots, optimizers, strict=True):
+                prepared = AcceleratedOptimizer(optimizer, self.step_state, scaler=self.scaler)
+                results[slot] = prepared
+                self._optimizers.append(prepared)
+
+        for i, obj in enumerate(args):
+            if isinstance(obj, DataLoader):
+                results[i] = self.prepare_data_loader(obj, device_placement=placements[i])
+            elif _is_scheduler(obj):
+                results[i] = self.prepare_scheduler(obj)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    @property
+    def strategy_autocasts(self) -> bool:
+        return getattr(self.strategy, "autocast_forward", True)
+
+    def _check_prepare_arguments(self, args: Sequence[Any]) -> None:
+        seen: set[int] = set()
+        for position, obj in enumerate(args):
+            if id(obj) in seen:
+                raise PrepareError(
+                    f"prepare() got the same {type(obj).__name__} twice (argument {position}); "
+                    "pass each object once"
+                )
+            seen.add(id(obj))
+            if isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader)):
+                raise PrepareError(
+                    f"argument {position} ({type(obj).__name__}) was already prepared; pass the "
+                    "original object, or keep using the prepared one"
+                )
+            if any(obj is m for m in self._models):
+                raise PrepareError(
+                    f"argument {position} is a model that was already prepared; prepare each "
+                    "model once"
+                )
+        schedulers = [obj for obj in args if _is_scheduler(obj) and not isinstance(obj, nn.Module)]
+        optimizers_here = {id(obj) for obj in args if isinstance(obj, torch.optim.Optimizer)}
+        known = optimizers_here | {id(opt.optimizer) for opt in self._optimizers}
+        for scheduler in schedulers:
+            inner = getattr(scheduler, "optimizer", None)
+            if isinstance(inner, AcceleratedOptimizer):
+                inner = inner.optimizer
+            if id(inner) not in known:
+                raise PrepareError(
+                    f"prepare() got a {type(scheduler).__name__} whose optimizer has not been "
+                    "prepared; pass the optimizer to prepare() too (in the same or an earlier "
+                    "call) so the scheduler steps with it"
+                )
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
+        """Prepare one model (see :meth:`prepare`)."""
+        placement = self.device_placement if device_placement is None else device_placement
+        return self.prepare(model, device_placement=[placement])  # type: ignore[no-any-return]
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        """Prepare one optimizer (see :meth:`prepare`)."""
+        return self.prepare(optimizer)  # type: ignore[no-any-return]
+
+    def prepare_data_loader(
+        self, data_loader: DataLoader[Any], device_placement: bool | None = None
+    ) -> PreparedDataLoader:
+        """Shard ``data_loader`` over the processes and place its batches on the device."""
+        self._check_prepare_arguments([data_loader])
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = prepare_data_loader(
+            data_loader,
+            state=self.state,
+            split_batches=self.split_batches,
+            even_batches=self.even_batches,
+            device_placement=placement,
+            non_blocking=self.dataloader_config.non_blocking,
+            active_loaders=self.active_loaders,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap an LR scheduler so it steps with its prepared optimizer."""
+        self._check_prepare_arguments([scheduler])
+        inner = scheduler.optimizer
+        owners = [opt for opt in self._optimizers if opt.optimizer is inner or opt is inner]
+        steps = 1 if self.split_batches else self.num_processes
+        prepared = AcceleratedScheduler(
+            scheduler,
+            owners,
+            self.step_state,
+            steps_per_optimizer_step=steps,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+        )
+        self._schedulers.append(prepared)
+        return prepared
+
+    # -- training step ------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` with gradient-accumulation averaging and loss scaling."""
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """One micro-step: gradients synchronise (and optimizers step) only every
+        ``gradient_accumulation_steps`` micro-steps and at the end of the dataloader."""
+        self.step_state.begin_micro_step(self.active_loaders.end_of_dataloader)
+        with contextlib.ExitStack() as stack:
+            if not self.sync_gradients:
+                for model in models or self._models:
+                    stack.enter_context(self.strategy.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Run backward inside without synchronising ``model``'s gradients."""
+        with self.strategy.no_sync(model):
+            yield
+
+    @contextlib.contextmanager
+    def autocast(self, enabled: bool = True) -> Iterator[None]:
+        """Run the block under the mixed-precision autocast (no-op at full precision)."""
+        with self.precision.autocast(enabled=enabled):
+            yield
+
+    def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
+        """Divide fp16-scaled gradients by the loss scale (before clipping or inspecting)."""
+        scaler = self.scaler
+        if scaler is None:
+            return
+        for opt in [optimizer] if optimizer is not None else self._optimizers:
+            inner = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
+            scaler.unscale_(inner)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip gradients to a total norm of ``max_norm``; returns the norm before clipping."""
+        if self.sync_gradients:
+            self.unscale_gradients()
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]``."""
+        if self.sync_gradients:
+            self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
+
+    # -- models -------------------------------------------------------------------------------
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+        """The user's module without the strategy's (and torch.compile's) wrappers."""
+        inner = self.strategy.unwrap_model(model)
+        inner = getattr(inner, "_orig_mod", inner)
+        if not keep_fp32_wrapper:
+            restore_forward(inner)
+        return inner
+
+    def get_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full state dict of a prepared model (collective for sharded strategies)."""
+        return self.strategy.model_state_dict(model)
+
+    # -- collectives --------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate tensors from all processes along dim 0 (see :func:`slipstream.gather`)."""
+        return collectives.gather(tensor, state=self.state)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather predictions/labels and drop the samples duplicated to even out the final
+        batch, so metrics see every sample of the evaluation set exactly once."""
+        loader = self.active_loaders.innermost
+        has_tensors = bool(tensor_leaves(input_data))
+        if use_gather_object or not has_tensors:
+            gathered: Any = collectives.gather_object(input_data, state=self.state)
+        elif loader is not None and loader.end_of_dataloader and loader.uneven_tail:
+            gathered = collectives.gather_uneven(input_data, state=self.state)
+        else:
+            gathered = collectives.gather(input_data, state=self.state)
+        real = loader.final_real_samples if loader is not None else None
+        if real is None or self.num_processes == 1:
+            return gathered
+        if isinstance(gathered, list) and (use_gather_object or not has_tensors):
+            return gathered[:real]
+        return map_tensors(lambda t: t[:real], gathered)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Sum or average tensors over processes (see :func:`slipstream.reduce`)."""
+        return collectives.reduce(tensor, reduction, scale, state=self.state)
+
+    def pad_across_processes(
+        self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
+    ) -> Any:
+        """Pad tensors along ``dim`` to the largest size on any process."""
+        return collectives.pad_across_processes(
+            tensor, dim, pad_index, pad_first, state=self.state
+        )
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this line."""
+        self.state.wait_for_everyone()
+
+    # -- process control ----------------------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the block on the main process first, then on all others (e.g. downloads)."""
+        with self._first(self.is_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Like :meth:`main_process_first`, once per machine."""
+        with self._first(self.is_local_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def _first(self, is_first: bool) -> Iterator[None]:
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    def on_main_process(self, function: F) -> F:
+        """Decorator: run ``function`` on the main process only (others get ``None``)."""
+        return self._only_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: F) -> F:
+        """Decorator: run ``function`` on each machine's main process only."""
+        return self._only_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: F) -> F:
+        """Decorator: run ``function`` on the last process only."""
+        return self._only_if(function, lambda: self.is_last_process)
+
+    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
+        """Decorator: run ``function`` on process ``process_index`` only.
+
+        Use as ``@accelerator.on_process(process_index=1)``.
+        """
+        if process_index is None:
+            raise TypeError("on_process needs process_index=")
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self._only_if(function, lambda: self.process_index == process_index)
+
+    @staticmethod
+    def _only_if(function: F, condition: Callable[[], bool]) -> F:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if condition():
+                return function(*args, **kwargs)
+            return None
+
+        return wrapper  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Yield this process's share of ``inputs`` (see :mod:`slipstream.splitting`)."""
+        with _split(inputs, self.process_index, self.num_processes, apply_padding) as part:
+            yield part
+
+    def skip_first_batches(self, dataloader: DataLoader[Any], num_batches: int = 0) -> Any:
+        """The loader, set to start its next pass after ``num_batches`` batches."""
+        return skip_first_batches(dataloader, num_batches)
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop references to everything prepared, collect garbage and empty device caches.
+
+        Returns ``None`` for each object passed, so ``model, opt = accelerator.free_memory(
+        model, opt)`` releases the caller's references too.
+        """
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.strategy.teardown()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None for _ in objects]
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        """Finish the run: wait for every process (trackers are closed here when used)."""
+        self.wait_for_everyone()
+
+    def __repr__(self) -> str:
+        return (
+            f"Accelerator(distributed_type={self.distributed_type.value}, "
+            f"num_processes={self.num_processes}, device={self.device}, "
+            f"mixed_precision={self.mixed_precision})"
+        )

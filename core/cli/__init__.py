@@ -1,0 +1,43 @@
+"""The ``slipstream`` command: ``slipstream launch ...`` and the other subcommands.
+
+Each subcommand lives in its own module with ``register(subparsers)`` and ``run(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import ConfigError
+from . import launch as launch_command
+
+_COMMANDS = [launch_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slipstream",
+        description="Configure and launch PyTorch training on CPUs, GPUs and machines.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in _COMMANDS:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``slipstream`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except ConfigError as error:
+        print(f"slipstream {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""The launch configuration: a typed, frozen dataclass with the same YAML keys as
+Accelerate's ``default_config.yaml``, so an Accelerate config file works as is.
+
+Example::
+
+    config = load_config("default_config.yaml")
+    config = config.replace(num_processes=4)
+    save_config(config, "my_config.yaml")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP")
+MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+RDZV_BACKENDS = ("static", "c10d")
+
+# Accelerate keys for hardware slipstream does not drive; accepted only at their defaults.
+UNSUPPORTED_KEYS: dict[str, Any] = {
+    "tpu_env": [],
+    "tpu_use_cluster": False,
+    "tpu_use_sudo": False,
+    "tpu_name": None,
+    "tpu_zone": None,
+    "commands": None,
+    "command_file": None,
+    "megatron_lm_config": {},
+    "ipex_config": {},
+    "mpirun_config": {},
+    "enable_cpu_affinity": False,
+    "fp8_config": {},
+}
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid; the message names the file, key and fix."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything ``slipstream launch`` needs; field names are the YAML keys."""
+
+    compute_environment: str = "LOCAL_MACHINE"
+    distributed_type: str = "NO"
+    mixed_precision: str = "no"
+    use_cpu: bool = False
+    debug: bool = False
+    num_processes: int = 1
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    rdzv_backend: str = "c10d"
+    same_network: bool = True
+    main_training_function: str = "main"
+    downcast_bf16: str = "no"
+    gpu_ids: str = "all"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    gradient_accumulation_steps: int = 1
+    dynamo_config: dict[str, Any] = field(default_factory=dict)
+    deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    fsdp_config: dict[str, Any] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> LaunchConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return validate(dataclasses.replace(self, **changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def worker_settings(self) -> dict[str, Any]:
+        """What the launched processes' Accelerator reads (via one environment variable)."""
+        return {
+            "distributed_type": self.distributed_type,
+            "mixed_precision": self.mixed_precision,
+            "use_cpu": self.use_cpu,
+            "debug": self.debug,
+            "downcast_bf16": self.downcast_bf16,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "dynamo_config": self.dynamo_config,
+            "deepspeed_config": self.deepspeed_config,
+            "fsdp_config": self.fsdp_config,
+        }
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(LaunchConfig)}
+
+
+def _suggest(key: str, candidates: Any) -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(key: str, value: Any, annotation: str, where: str) -> Any:
+    """Check (and gently convert) one value against its field's annotation."""
+    if value is None and "None" in annotation:
+        return None
+    if annotation.startswith("bool"):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+            return value.lower() in ("true", "yes")
+        expected = "true or false"
+    elif annotation.startswith("int"):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        expected = "an integer"
+    elif annotation.startswith("float"):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        expected = "a number"
+    elif annotation.startswith("dict"):
+        if isinstance(value, dict):
+            return value
+        if value is None:
+            return {}
+        expected = "a mapping"
+    else:
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            return str(value)
+        expected = "a string"
+    raise ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}")
+
+
+def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig:
+    """Check cross-field rules; returns the config (normalised) or raises ConfigError."""
+    changes: dict[str, Any] = {}
+    distributed = config.distributed_type.upper()
+    if distributed not in DISTRIBUTED_TYPES:
+        raise ConfigError(
+            f"{where}: distributed_type must be one of {', '.join(DISTRIBUTED_TYPES)}, got "
+            f"{config.distributed_type!r}{_suggest(distributed, DISTRIBUTED_TYPES)}"
+        )
+    changes["distributed_type"] = distributed
+    precision = str(config.mixed_precision).lower()
+    if precision not in MIXED_PRECISION:
+        raise ConfigError(
+            f"{where}: mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got "
+            f"{config.mixed_precision!r}"
+        )
+    changes["mixed_precision"] = precision
+    if config.rdzv_backend not in RDZV_BACKENDS:
+        raise ConfigError(
+            f"{where}: rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got "
+            f"{config.rdzv_backend!r}"
+        )
+    if config.num_processes < 1:
+        raise ConfigError(
+            f"{where}: num_processes must be at least 1, got {config.num_processes}"
+        )
+    if config.num_machines < 1:
+        raise ConfigError(f"{where}: num_machines must be at least 1, got {config.num_machines}")
+    if not 0 <= config.machine_rank < config.num_machines:
+        raise ConfigError(
+            f"{where}: machine_rank must be between 0 and num_machines-1 "
+            f"({config.num_machines - 1}), got {config.machine_rank}"
+        )
+    if config.num_processes % config.num_machines:
+        raise ConfigError(
+            f"{where}: num_processes ({config.num_processes}) is the total over all machines "
+            f"and must be divisible by num_machines ({config.num_machines})"
+        )
+    if config.num_machines > 1 and not config.main_process_ip:
+        raise ConfigError(
+            f"{where}: num_machines={config.num_machines} needs main_process_ip (the address "
+            "of the machine with machine_rank 0)"
+        )
+    if config.main_process_port is not None and not 0 < config.main_process_port < 65536:
+        raise ConfigError(
+            f"{where}: main_process_port must be a TCP port (1-65535), got "
+            f"{config.main_process_port}"
+        )
+    if config.max_restarts < 0:
+        raise ConfigError(f"{where}: max_restarts must be >= 0, got {config.max_restarts}")
+    if config.gradient_accumulation_steps < 1:
+        raise ConfigError(
+            f"{where}: gradient_accumulation_steps must be >= 1, got "
+            f"{config.gradient_accumulation_steps}"
+        )
+    if config.deepspeed_config and config.fsdp_config:
+        raise ConfigError(
+            f"{where}: deepspeed_config and fsdp_config are both set; DeepSpeed and FSDP cannot "
+            "be combined, keep one"
+        )
+    return dataclasses.replace(config, **changes)
+
+
+def config_from_dict(
+    values: Mapping[str, Any], where: str = "configuration"
+) -> tuple[LaunchConfig, list[str]]:
+    """Build a validated LaunchConfig; also returns notes about ignored Accelerate keys."""
+    notes: list[str] = []
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in _FIELDS:
+            kwargs[key] = _coerce(key, value, str(_FIELDS[key].type), where)
+        elif key in UNSUPPORTED_KEYS:
+            if value not in (UNSUPPORTED_KEYS[key], None, [], {}, False):
+                notes.append(
+                    f"{where}: key '{key}' is an Accelerate option slipstream does not support "
+                    "yet; it is ignored"
+                )
+        else:
+            raise ConfigError(
+                f"{where}: unknown key '{key}'{_suggest(key, [*_FIELDS, *UNSUPPORTED_KEYS])}"
+            )
+    return validate(LaunchConfig(**kwargs), where), notes
+
+
+def read_config_values(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The raw key/value mapping of a YAML (or JSON) config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of key: value")
+    return values
+
+
+def load_config(path: str | os.PathLike[str]) -> tuple[LaunchConfig, list[str]]:
+    """Read and validate a config file; also returns notes about ignored Accelerate keys."""
+    return config_from_dict(read_config_values(path), where=str(path))
+
+
+def save_config(config: LaunchConfig, path: str | os.PathLike[str]) -> Path:
+    """Write ``config`` as YAML (creating parent folders); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=True))
+    return path

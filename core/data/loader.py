@@ -1,0 +1,392 @@
+"""PreparedDataLoader: a DataLoader yielding this process's shard of each global batch.
+
+It is still a ``torch.utils.data.DataLoader`` (same dataset, workers, collate function),
+rebuilt around a :class:`~slipstream.data.samplers.ShardedBatchSampler` or an
+:class:`~slipstream.data.iterable.IterableDatasetShard`. On top it
+
+* shuffles identically on every rank (a seeded sampler, or a synchronised generator),
+* moves batches to the device,
+* knows when it yields its last batch and how many samples of the final global batch are
+  real (for ``gather_for_metrics``),
+* tracks its position (epoch, batches yielded) so training can resume mid-epoch.
+
+Example::
+
+    loader = prepare_data_loader(DataLoader(ds, batch_size=16, shuffle=True), state=state)
+    for epoch in range(3):
+        for batch in loader:   # epochs advance by themselves; set_epoch(e) also works
+            ...
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from ..state import ProcessState
+from ..tree import send_to_device
+from .iterable import IterableDatasetShard
+from .samplers import SeedableRandomSampler, ShardedBatchSampler, SkipBatchSampler
+
+# DataLoader constructor arguments copied from the user's loader when rebuilding it.
+_COPIED_ARGUMENTS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+class DataLoaderPreparationError(ValueError):
+    """A DataLoader cannot be sharded as configured."""
+
+
+class ActiveLoaders:
+    """Which prepared loaders are being iterated right now (innermost last).
+
+    The Accelerator owns one; ``gather_for_metrics`` and gradient synchronisation read the
+    innermost loader's ``end_of_dataloader`` and tail information.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[PreparedDataLoader] = []
+
+    @property
+    def innermost(self) -> PreparedDataLoader | None:
+        return self.stack[-1] if self.stack else None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        loader = self.innermost
+        return loader is not None and loader.end_of_dataloader
+
+    def push(self, loader: PreparedDataLoader) -> None:
+        self.stack.append(loader)
+
+    def pop(self, loader: PreparedDataLoader) -> None:
+        if loader in self.stack:
+            self.stack.remove(loader)
+
+
+def _copied_arguments(loader: DataLoader[Any]) -> dict[str, Any]:
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    kwargs = {
+        name: getattr(loader, name)
+        for name in _COPIED_ARGUMENTS
+        if name in accepted and hasattr(loader, name)
+    }
+    if not kwargs.get("num_workers"):
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    return kwargs
+
+
+class PreparedDataLoader(DataLoader[Any]):
+    """A sharded, device-placing DataLoader. Build it with :func:`prepare_data_loader`."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        state: ProcessState,
+        device: torch.device | None,
+        shard: ShardedBatchSampler | IterableDatasetShard | None,
+        active_loaders: ActiveLoaders | None = None,
+        non_blocking: bool = False,
+        **loader_kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, **loader_kwargs)
+        self.state = state
+        self.device = device
+        self.shard = shard
+        self.active_loaders = active_loaders if active_loaders is not None else ActiveLoaders()
+        self.non_blocking = non_blocking
+        #: True while the batch just yielded is the last one of this pass.
+        self.end_of_dataloader = False
+        #: Batches yielded so far in the current pass (including skipped ones on resume).
+        self.batches_yielded = 0
+        self._epoch = 0
+        self._iterable_skip = 0
+
+    # -- epochs and shuffling -----------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next pass's shuffle (passes also advance it by themselves)."""
+        self._epoch = epoch
+
+    def _epoch_aware(self) -> list[Any]:
+        objects: list[Any] = []
+        if isinstance(self.shard, IterableDatasetShard):
+            objects.append(self.shard)
+        elif self.shard is not None:
+            objects += [self.shard.batch_sampler, self.shard.sampler]
+        else:
+            objects += [self.batch_sampler, getattr(self.batch_sampler, "sampler", None)]
+        return [o for o in objects if o is not None and callable(getattr(o, "set_epoch", None))]
+
+    def _start_pass(self) -> None:
+        for obj in self._epoch_aware():
+            obj.set_epoch(self._epoch)
+        if self.state.num_processes > 1:
+            self._synchronise_generators()
+
+    def _synchronise_generators(self) -> None:
+        # A custom sampler that draws from its own torch.Generator shuffles identically on
+        # every rank once the generators agree; rank 0's state is the reference.
+        from ..collectives import broadcast
+
+        samplers = [getattr(self.shard, "sampler", None), getattr(self.shard, "batch_sampler", None)]
+        for sampler in samplers:
+            generator = getattr(sampler, "generator", None)
+            if isinstance(generator, torch.Generator):
+                rng_state = generator.get_state().to(self.state.device)
+                broadcast(rng_state, from_process=0, state=self.state)
+                generator.set_state(rng_state.cpu())
+
+    # -- tail information -----------------------------------------------------------------
+    @property
+    def final_real_samples(self) -> int | None:
+        """Real samples in the final global batch, once the last batch has been yielded.
+
+        ``None`` when the final global batch is complete (nothing to drop) or unknown.
+        """
+        if not self.end_of_dataloader or self.shard is None:
+            return None
+        if isinstance(self.shard, IterableDatasetShard) and self.num_workers > 0:
+            dataset = self.shard.dataset
+            if hasattr(dataset, "__len__"):
+                rest = len(dataset) % self.shard.global_batch_size
+                return rest or None
+            return None
+        return self.shard.final_real_samples
+
+    @property
+    def uneven_tail(self) -> bool:
+        """True when the final batch sizes may differ across ranks (``even_batches=False``)."""
+        if isinstance(self.shard, ShardedBatchSampler):
+            return self.shard.uneven_tail
+        if isinstance(self.shard, IterableDatasetShard):
+            return not self.shard.even_batches and self.shard.final_real_samples is not None
+        return False
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples per optimizer step over all processes."""
+        if isinstance(self.shard, IterableDatasetShard):
+            return self.shard.global_batch_size
+        size = getattr(self.shard, "batch_size", None) or self.batch_size
+        if size is None:
+            return None
+        split = getattr(self.shard, "split_batches", False)
+        return size if split else size * self.state.num_processes
+
+    # -- iteration ----------------------------------------------------------------------
+    def skip_next_pass(self, num_batches: int) -> None:
+        """Leave out the first ``num_batches`` batches of the next pass only."""
+        if num_batches < 0:
+            raise ValueError(f"num_batches must be >= 0, got {num_batches}")
+        if isinstance(self.shard, ShardedBatchSampler):
+            self.shard.skip_batches = num_batches
+        else:
+            self._iterable_skip = num_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        self._start_pass()
+        pending_skip = 0
+        if isinstance(self.shard, ShardedBatchSampler):
+            pending_skip = self.shard.skip_batches
+        iterable_skip, self._iterable_skip = self._iterable_skip, 0
+        batches = super().__iter__()
+        self.batches_yielded = pending_skip
+        self.end_of_dataloader = False
+        self.active_loaders.push(self)
+        try:
+            for _ in range(iterable_skip):
+                if next(batches, _EXHAUSTED) is _EXHAUSTED:
+                    break
+                self.batches_yielded += 1
+            current = next(batches, _EXHAUSTED)
+            while current is not _EXHAUSTED:
+                upcoming = next(batches, _EXHAUSTED)
+                self.end_of_dataloader = upcoming is _EXHAUSTED
+                if self.device is not None:
+                    current = send_to_device(current, self.device, self.non_blocking)
+                self.batches_yielded += 1
+                yield current
+                current = upcoming
+            self._epoch += 1
+            self.batches_yielded = 0
+        finally:
+            self.active_loaders.pop(self)
+
+    def __len__(self) -> int:
+        length = super().__len__()
+        if not isinstance(self.shard, ShardedBatchSampler):
+            length = max(0, length - self._iterable_skip)
+        return length
+
+    # -- position for checkpoints -------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, batches yielded in it and the shuffle seed: enough to resume exactly."""
+        sampler = getattr(self.shard, "sampler", None)
+        return {
+            "epoch": self._epoch,
+            "batches_yielded": self.batches_yielded,
+            "sampler": sampler.state_dict() if isinstance(sampler, SeedableRandomSampler) else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from the position saved by :meth:`state_dict` on the next pass."""
+        self._epoch = int(state["epoch"])
+        sampler = getattr(self.shard, "sampler", None)
+        if state.get("sampler") and isinstance(sampler, SeedableRandomSampler):
+            sampler.load_state_dict(state["sampler"])
+        self.skip_next_pass(int(state["batches_yielded"]))
+
+
+_EXHAUSTED = object()
+
+
+def _agreed_seed(generator: torch.Generator | None, state: ProcessState) -> int:
+    """A shuffle seed drawn on every rank (same RNG use everywhere), rank 0's value kept."""
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    if state.num_processes > 1:
+        from ..collectives import broadcast
+
+        value = torch.tensor([seed], dtype=torch.int64, device=state.device)
+        seed = int(broadcast(value, from_process=0, state=state).item())
+    return seed
+
+
+def _seeded_batch_sampler(loader: DataLoader[Any], state: ProcessState) -> Any:
+    """The loader's batch sampler, with a RandomSampler replaced by a seeded one."""
+    batch_sampler = loader.batch_sampler
+    sampler = getattr(batch_sampler, "sampler", None)
+    if type(batch_sampler) is BatchSampler and type(sampler) is RandomSampler:
+        seeded = SeedableRandomSampler(
+            len(sampler.data_source),  # type: ignore[arg-type]
+            _agreed_seed(sampler.generator, state),
+            replacement=sampler.replacement,
+            num_samples=sampler.num_samples,
+        )
+        return BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
+    if isinstance(sampler, RandomSampler) and sampler.generator is None:
+        # Inside a custom batch sampler: give the RandomSampler its own generator, seeded the
+        # same everywhere; _synchronise_generators keeps it in step every pass.
+        sampler.generator = torch.Generator()
+        sampler.generator.manual_seed(_agreed_seed(None, state))
+    return batch_sampler
+
+
+def prepare_data_loader(
+    loader: DataLoader[Any],
+    *,
+    state: ProcessState,
+    split_batches: bool = False,
+    even_batches: bool = True,
+    device_placement: bool = True,
+    non_blocking: bool = False,
+    active_loaders: ActiveLoaders | None = None,
+) -> PreparedDataLoader:
+    """Rebuild ``loader`` so this process gets its shard of every global batch.
+
+    Without ``split_batches`` each process loads batches of the script's size (the global
+    batch grows with the number of processes); with it each batch is split across processes.
+    """
+    if isinstance(loader, PreparedDataLoader):
+        raise DataLoaderPreparationError(
+            "this DataLoader was already prepared; pass the original DataLoader to prepare()"
+        )
+    kwargs = _copied_arguments(loader)
+    device = state.device if device_placement else None
+    common: dict[str, Any] = {
+        "state": state,
+        "device": device,
+        "active_loaders": active_loaders,
+        "non_blocking": non_blocking,
+    }
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        if loader.batch_size is None:
+            raise DataLoaderPreparationError(
+                "cannot shard a DataLoader over an IterableDataset with batch_size=None; "
+                "create the DataLoader with batch_size=N so slipstream can split batches"
+            )
+        shard = IterableDatasetShard(
+            dataset,
+            batch_size=loader.batch_size,
+            num_processes=state.num_processes,
+            process_index=state.process_index,
+            split_batches=split_batches,
+            even_batches=even_batches,
+            drop_last=loader.drop_last,
+        )
+        per_process = shard.per_process
+        return PreparedDataLoader(
+            shard,
+            shard=shard,
+            batch_size=per_process,
+            drop_last=False,
+            **common,
+            **kwargs,
+        )
+    if loader.batch_sampler is None:
+        raise DataLoaderPreparationError(
+            "cannot shard a DataLoader created with batch_size=None and no batch_sampler; "
+            "create it with batch_size=N (or pass batch_sampler=...) so slipstream can give "
+            "each process whole batches"
+        )
+    index_sampler = getattr(loader.batch_sampler, "sampler", None)
+    if isinstance(index_sampler, DistributedSampler):
+        raise DataLoaderPreparationError(
+            "this DataLoader already uses a DistributedSampler; slipstream shards data itself: "
+            "build the DataLoader with shuffle=True/False (or your own sampler) instead"
+        )
+    sharded = ShardedBatchSampler(
+        _seeded_batch_sampler(loader, state),
+        num_processes=state.num_processes,
+        process_index=state.process_index,
+        split_batches=split_batches,
+        even_batches=even_batches,
+    )
+    return PreparedDataLoader(dataset, shard=sharded, batch_sampler=sharded, **common, **kwargs)
+
+
+def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[Any]:
+    """A loader whose next pass starts after ``num_batches`` batches (for mid-epoch resume).
+
+    A prepared loader is returned itself, set to skip on its next pass only; later passes are
+    complete. Skipped batches of map-style datasets are never loaded.
+    """
+    if isinstance(loader, PreparedDataLoader):
+        loader.skip_next_pass(num_batches)
+        return loader
+    if loader.batch_sampler is None:
+        raise DataLoaderPreparationError(
+            "skip_first_batches needs a DataLoader with batch_size=N or a batch_sampler"
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise DataLoaderPreparationError(
+            "skip_first_batches on an unprepared IterableDataset loader is not supported; "
+            "prepare() the DataLoader first"
+        )
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches),
+        **_copied_arguments(loader),
+    )

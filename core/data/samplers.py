@@ -1,0 +1,289 @@
+"""Pure samplers: every sharding decision is a function of explicit ``(rank, world)``.
+
+Nothing here talks to other processes, so each rank's view can be computed (and tested) in
+one process.
+
+* :class:`SeedableRandomSampler` — a shuffle that depends only on ``(seed, epoch)``, so all
+  ranks shuffle identically without communicating.
+* :class:`ShardedBatchSampler` — hands each rank its part of every *global* batch: whole
+  batches in turn (bucketing samplers keep their meaning) or, with ``split_batches``, a
+  slice of each batch.
+* :class:`SkipBatchSampler` — drops the first ``n`` batches of another batch sampler.
+
+Tail handling, used by ``gather_for_metrics``: in the last, incomplete global batch the real
+indices come first and the duplicates used to complete it (``even_batches``) come last, in
+rank order; :attr:`ShardedBatchSampler.final_real_samples` says how many are real.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+
+class SeedableRandomSampler(Sampler[int]):
+    """A random order of ``range(length)`` that depends only on ``seed + epoch``.
+
+    Example::
+
+        sampler = SeedableRandomSampler(100, seed=1234)
+        sampler.set_epoch(3)
+        order = list(sampler)   # identical on every process
+    """
+
+    def __init__(
+        self,
+        length: int,
+        seed: int,
+        *,
+        replacement: bool = False,
+        num_samples: int | None = None,
+    ) -> None:
+        self.length = length
+        self.seed = int(seed)
+        self.replacement = replacement
+        self.num_samples = length if num_samples is None else num_samples
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        if self.length == 0:
+            return
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        if self.replacement:
+            yield from torch.randint(
+                self.length, (self.num_samples,), dtype=torch.int64, generator=generator
+            ).tolist()
+            return
+        full, rest = divmod(self.num_samples, self.length)
+        for _ in range(full):
+            yield from torch.randperm(self.length, generator=generator).tolist()
+        if rest:
+            yield from torch.randperm(self.length, generator=generator)[:rest].tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+
+
+def _chunks(indices: list[Any], parts: int) -> list[list[Any]]:
+    """Split into ``parts`` consecutive chunks, the first ``len % parts`` one longer."""
+    size, extra = divmod(len(indices), parts)
+    out, start = [], 0
+    for part in range(parts):
+        stop = start + size + (1 if part < extra else 0)
+        out.append(indices[start:stop])
+        start = stop
+    return out
+
+
+def _flag_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Yield ``(item, is_last)`` using one item of look-ahead."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for upcoming in iterator:
+        yield current, False
+        current = upcoming
+    yield current, True
+
+
+def _complete(real: list[Any], target: int, initial: list[Any]) -> list[Any]:
+    """Extend ``real`` to ``target`` items by cycling through ``initial`` (the epoch's start)."""
+    if len(real) >= target or not initial:
+        return list(real)
+    need = target - len(real)
+    return list(real) + list(itertools.islice(itertools.cycle(initial), need))
+
+
+class ShardedBatchSampler(Sampler[list[Any]]):
+    """This rank's batches out of a batch sampler shared by ``num_processes`` ranks.
+
+    Without ``split_batches`` a global batch is ``num_processes`` consecutive batches and
+    rank ``r`` takes the ``r``-th one; with ``split_batches`` each batch is a global batch and
+    rank ``r`` takes the ``r``-th slice. With ``even_batches`` (default) a short final
+    global batch is completed with indices from the start of the epoch so every rank takes
+    the same number of full steps; without it ranks may take different numbers of steps.
+    ``drop_last`` on the wrapped sampler drops an incomplete final global batch.
+
+    Example::
+
+        inner = BatchSampler(range(10), batch_size=2, drop_last=False)
+        list(ShardedBatchSampler(inner, num_processes=2, process_index=1))
+        # [[2, 3], [6, 7], [0, 1]]  (the last batch completed from the start)
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Iterable[list[Any]],
+        *,
+        num_processes: int,
+        process_index: int,
+        split_batches: bool = False,
+        even_batches: bool = True,
+    ) -> None:
+        if num_processes < 1 or not 0 <= process_index < num_processes:
+            raise ValueError(
+                f"process_index={process_index} is not valid for num_processes={num_processes}"
+            )
+        self.batch_sampler = batch_sampler
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.batch_size: int | None = getattr(batch_sampler, "batch_size", None)
+        self.drop_last: bool = bool(getattr(batch_sampler, "drop_last", False))
+        if split_batches and self.batch_size is not None and self.batch_size % num_processes:
+            raise ValueError(
+                f"split_batches=True needs a batch size divisible by the number of processes; "
+                f"got batch_size={self.batch_size} with {num_processes} processes: use a "
+                f"multiple of {num_processes}"
+            )
+        #: Global indices in the final global batch that are real (not completion); set
+        #: once iteration reaches it. ``None`` until then.
+        self.final_real_samples: int | None = None
+        #: Whether this rank's batch sizes may differ across ranks at the end.
+        self.uneven_tail = False
+        #: Batches to leave out at the start of the next iteration only (resuming).
+        self.skip_batches = 0
+
+    # -- iteration ----------------------------------------------------------------------
+    @property
+    def sampler(self) -> Any:
+        """The index sampler underneath (for ``set_epoch`` and state), if there is one."""
+        return getattr(self.batch_sampler, "sampler", None)
+
+    def _global_batches(self) -> Iterator[tuple[list[list[Any]], int | None]]:
+        """Yield (per-rank parts, real count when this is an incomplete final batch)."""
+        parts = self.num_processes
+        if parts == 1:
+            for batch in self.batch_sampler:
+                yield [list(batch)], None
+            return
+        if self.split_batches:
+            yield from self._split_global_batches()
+        else:
+            yield from self._grouped_global_batches()
+
+    def _split_global_batches(self) -> Iterator[tuple[list[list[Any]], int | None]]:
+        initial: list[Any] = []
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            target = self.batch_size or len(batch)
+            if len(initial) < target:
+                initial.extend(batch)
+            if len(batch) >= target:
+                yield _chunks(batch, self.num_processes), None
+            elif self.even_batches:
+                yield _chunks(_complete(batch, target, initial), self.num_processes), len(batch)
+            else:
+                yield _chunks(batch, self.num_processes), len(batch)
+
+    def _grouped_global_batches(self) -> Iterator[tuple[list[list[Any]], int | None]]:
+        parts = self.num_processes
+        initial: list[Any] = []
+        group: list[list[Any]] = []
+        batch_size = self.batch_size
+        for batch, is_last in _flag_last(self.batch_sampler):
+            batch = list(batch)
+            batch_size = batch_size or len(batch)
+            if len(initial) < batch_size * parts:
+                initial.extend(batch)
+            group.append(batch)
+            if len(group) == parts:
+                if is_last and len(batch) < batch_size:
+                    break  # a short batch ends the epoch: complete it as the tail below
+                yield group, None
+                group = []
+        if not group or self.drop_last:
+            return
+        real = [index for batch in group for index in batch]
+        if self.even_batches:
+            completed = _complete(real, (batch_size or 1) * parts, initial)
+            yield _chunks(completed, parts), len(real)
+        else:
+            # Each rank takes its own batch if there is one; no duplicates.
+            yield [group[r] if r < len(group) else [] for r in range(parts)], len(real)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        self.final_real_samples = None
+        self.uneven_tail = False
+        to_skip, self.skip_batches = self.skip_batches, 0
+        for parts, real in self._global_batches():
+            if real is not None:
+                self.final_real_samples = real
+                self.uneven_tail = not self.even_batches
+            mine = parts[self.process_index]
+            if not mine:
+                continue
+            if to_skip:
+                to_skip -= 1
+                continue
+            yield mine
+
+    def __len__(self) -> int:
+        if not isinstance(self.batch_sampler, Sized):
+            raise TypeError("the wrapped batch sampler has no length")
+        return max(0, self._epoch_length() - self.skip_batches)
+
+    def _epoch_length(self) -> int:
+        batches = len(self.batch_sampler)  # type: ignore[arg-type]
+        parts, rank = self.num_processes, self.process_index
+        if self.split_batches:
+            if self.even_batches or self.drop_last:
+                return batches
+            last = self._last_batch_size()
+            # A short final batch split across ranks leaves later ranks empty-handed.
+            return batches - (1 if last is not None and last < parts and rank >= last else 0)
+        if self.drop_last:
+            return batches // parts
+        if self.even_batches:
+            return math.ceil(batches / parts)
+        return batches // parts + (1 if rank < batches % parts else 0)
+
+    def _last_batch_size(self) -> int | None:
+        sampler = self.sampler
+        if self.batch_size is None or not isinstance(sampler, Sized):
+            return None
+        remainder = len(sampler) % self.batch_size
+        return remainder or None
+
+
+class SkipBatchSampler(Sampler[list[Any]]):
+    """Yield the batches of ``batch_sampler`` after the first ``skip``.
+
+    Example::
+
+        SkipBatchSampler(BatchSampler(range(10), 2, False), skip=3)  # [[6, 7], [8, 9]]
+    """
+
+    def __init__(self, batch_sampler: Iterable[list[Any]], skip: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = skip
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        yield from itertools.islice(iter(self.batch_sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        if not isinstance(self.batch_sampler, Sized):
+            raise TypeError("the wrapped batch sampler has no length")
+        return max(0, len(self.batch_sampler) - self.skip)

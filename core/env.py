@@ -1,0 +1,198 @@
+"""The one module that reads (and, for the launcher, writes) ``os.environ``.
+
+Everything else in slipstream receives plain values from here. Workers learn their place in
+the job from the variables set by torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...),
+by ``srun`` (SLURM) or by ``mpirun``; they learn the launcher's configuration from a single
+JSON variable, :data:`LAUNCH_CONFIG_VARIABLE`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: JSON object with the launcher's resolved configuration (mixed precision, cpu, strategy...).
+LAUNCH_CONFIG_VARIABLE = "SLIPSTREAM_LAUNCH_CONFIG"
+#: Set to 1/true to check every collective for matching calls on all ranks.
+DEBUG_VARIABLE = "SLIPSTREAM_DEBUG"
+#: Overrides the default location of the configuration file.
+CONFIG_FILE_VARIABLE = "SLIPSTREAM_CONFIG_FILE"
+#: Where torchrun tells a worker to write its error report.
+ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class LaunchEnvironmentError(ValueError):
+    """A launcher variable holds a value slipstream cannot use."""
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """Where this process sits in the job, as told by whoever started it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    #: "torchrun", "slurm", "mpi" or "single".
+    source: str = "single"
+    launch_config: Mapping[str, Any] = field(default_factory=dict)
+    debug: bool = False
+
+    @property
+    def needs_init_method(self) -> bool:
+        """True when torch's ``env://`` cannot find RANK/WORLD_SIZE by itself."""
+        return self.source in ("slurm", "mpi")
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise LaunchEnvironmentError(f"environment variable {name} is required but not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchEnvironmentError(
+            f"environment variable {name}={raw!r} is not an integer; unset it or set a number"
+        ) from None
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in _TRUE
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as ``node[03-05,09],gpu1`` -> ``node03``."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise LaunchEnvironmentError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _read_launch_config(env: Mapping[str, str]) -> dict[str, Any]:
+    raw = env.get(LAUNCH_CONFIG_VARIABLE)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise LaunchEnvironmentError(
+            f"{LAUNCH_CONFIG_VARIABLE} is not valid JSON ({error}); it is set by `slipstream "
+            "launch`: unset it when starting workers another way"
+        ) from None
+    if not isinstance(value, dict):
+        raise LaunchEnvironmentError(f"{LAUNCH_CONFIG_VARIABLE} must hold a JSON object")
+    return value
+
+
+def read_launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnvironment:
+    """Read this process's rank, world size and launcher configuration.
+
+    Precedence: torchrun-style variables (``RANK``/``WORLD_SIZE``, also set by
+    ``slipstream launch``), then SLURM's ``srun``, then MPI, else a single process.
+    """
+    env = os.environ if environ is None else environ
+    launch_config = _read_launch_config(env)
+    debug = _flag(env, DEBUG_VARIABLE) or bool(launch_config.get("debug", False))
+    addr = env.get("MASTER_ADDR") or None
+    port = _int(env, "MASTER_PORT", 0) or None
+
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE")
+        rank = _int(env, "RANK")
+        local_rank = _int(env, "LOCAL_RANK", rank)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+        source = "torchrun"
+    elif _int(env, "SLURM_STEP_NUM_TASKS", 1) > 1 and "SLURM_PROCID" in env:
+        # Only a job step started by srun has SLURM_STEP_NUM_TASKS > 1; a plain python run
+        # inside an allocation stays a single process instead of waiting for peers forever.
+        world = _int(env, "SLURM_STEP_NUM_TASKS")
+        rank = _int(env, "SLURM_PROCID")
+        local_rank = _int(env, "SLURM_LOCALID", 0)
+        nodes = _int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_NNODES", 1))
+        local_world = max(1, world // max(1, nodes))
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        addr = addr or first_slurm_host(nodelist)
+        # A port derived from the job id lets concurrent jobs on one node coexist.
+        port = port or 15000 + _int(env, "SLURM_JOB_ID", 0) % 20000
+        source = "slurm"
+    elif "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
+        if "OMPI_COMM_WORLD_RANK" in env:
+            rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+            local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+            local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world)
+        else:
+            rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+            local_rank = _int(env, "MPI_LOCALRANKID", 0)
+            local_world = _int(env, "MPI_LOCALNRANKS", world)
+        if world > 1 and (addr is None or port is None):
+            raise LaunchEnvironmentError(
+                "started by MPI with several ranks but MASTER_ADDR/MASTER_PORT are not set; "
+                "export them (the address and a free port of rank 0's machine) in mpirun"
+            )
+        source = "mpi" if world > 1 else "single"
+    else:
+        return LaunchEnvironment(launch_config=launch_config, debug=debug)
+
+    if world < 1 or not 0 <= rank < world:
+        raise LaunchEnvironmentError(
+            f"inconsistent launcher variables: rank {rank} with world size {world}"
+        )
+    if world == 1:
+        source = "single" if source != "torchrun" else source
+    return LaunchEnvironment(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        master_addr=addr,
+        master_port=port,
+        source=source,
+        launch_config=launch_config,
+        debug=debug,
+    )
+
+
+def debug_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether :data:`DEBUG_VARIABLE` asks for collective checking."""
+    return _flag(os.environ if environ is None else environ, DEBUG_VARIABLE)
+
+
+def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
+    """``$SLIPSTREAM_CONFIG_FILE`` or ``~/.cache/slipstream/default_config.yaml``."""
+    env = os.environ if environ is None else environ
+    override = env.get(CONFIG_FILE_VARIABLE)
+    if override:
+        return Path(override).expanduser()
+    cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "slipstream" / "default_config.yaml"
+
+
+def error_file() -> str | None:
+    """The file torchrun asked this worker to write its exception into, if any."""
+    return os.environ.get(ERROR_FILE_VARIABLE) or None
+
+
+def export_for_workers(launch_config: Mapping[str, Any], extra: Mapping[str, str]) -> None:
+    """Set the variables the launched workers inherit (called by the launcher only)."""
+    os.environ[LAUNCH_CONFIG_VARIABLE] = json.dumps(dict(launch_config), sort_keys=True)
+    os.environ.update(extra)
+
+
+def is_set(name: str) -> bool:
+    """Whether an environment variable is present (used for torch's own knobs)."""
+    return name in os.environ

@@ -1,0 +1,65 @@
+"""Small option objects passed to the Accelerator (same names as Accelerate's).
+
+Example::
+
+    accelerator = Accelerator(
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True),
+                         InitProcessGroupKwargs(timeout=timedelta(minutes=5))],
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+    )
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+
+class KwargsHandler:
+    """Base of the option objects: :meth:`to_kwargs` returns only non-default values."""
+
+    def to_kwargs(self) -> dict[str, Any]:
+        default = type(self)()
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)  # type: ignore[arg-type]
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Options forwarded to ``torch.nn.parallel.DistributedDataParallel``."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Options for ``torch.distributed.init_process_group`` (backend, timeout)."""
+
+    backend: str | None = None
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How prepared dataloaders shard data.
+
+    ``split_batches``: split each batch across processes instead of giving every process a
+    batch of the script's size. ``even_batches``: complete the final global batch with
+    samples from the start so every process takes the same number of steps.
+    ``non_blocking``: asynchronous host-to-device copies (with pinned memory).
+    """
+
+    split_batches: bool = False
+    even_batches: bool = True
+    non_blocking: bool = False

@@ -1,0 +1,78 @@
+"""Precision: how forward passes run and how losses are scaled for one mixed-precision mode.
+
+One class per mode; the Accelerator and the Lightning adapter use the same objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..tree import map_tensors
+
+_ORIGINAL_FORWARD = "_slipstream_original_forward"
+
+
+class Precision:
+    """Full fp32 precision: no autocast, no loss scaling."""
+
+    #: The ``mixed_precision`` value this class implements.
+    mode: ClassVar[str] = "no"
+
+    def __init__(self, device: torch.device, *, convert_outputs_to_fp32: bool = True) -> None:
+        self.device = device
+        self.convert_outputs_to_fp32 = convert_outputs_to_fp32
+
+    @property
+    def scaler(self) -> Any:
+        """A ``torch.amp.GradScaler`` when losses are scaled (fp16), else ``None``."""
+        return None
+
+    @contextlib.contextmanager
+    def autocast(self, enabled: bool = True) -> Iterator[None]:
+        yield
+
+    def patch_forward(self, model: nn.Module) -> nn.Module:
+        """Make ``model.forward`` run under :meth:`autocast` (no-op at full precision)."""
+        return model
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+
+def _to_fp32(value: torch.Tensor) -> torch.Tensor:
+    return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+
+
+def patch_forward_with(
+    model: nn.Module, context: Callable[[], Any], convert_outputs_to_fp32: bool
+) -> nn.Module:
+    """Replace ``model.forward`` by one running under ``context()``; undone by
+    :func:`restore_forward`."""
+    if hasattr(model, _ORIGINAL_FORWARD):
+        return model
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            outputs = original(*args, **kwargs)
+        return map_tensors(_to_fp32, outputs) if convert_outputs_to_fp32 else outputs
+
+    setattr(model, _ORIGINAL_FORWARD, original)
+    model.forward = forward  # type: ignore[method-assign]
+    return model
+
+
+def restore_forward(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_forward_with` (the model then runs at its own precision)."""
+    if hasattr(model, _ORIGINAL_FORWARD):
+        delattr(model, _ORIGINAL_FORWARD)
+        if "forward" in model.__dict__:
+            del model.__dict__["forward"]
+    return model

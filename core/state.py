@@ -1,0 +1,225 @@
+"""ProcessState: this process's rank, world, device and process group, built once from the
+launcher environment.
+
+There is no shared-``__dict__`` singleton: a state is an ordinary object. The Accelerator
+creates one and makes it *current*, so free functions (collectives, ``set_seed``) can find
+it; code that wants several explicit states can pass them around instead.
+
+Example::
+
+    state = ProcessState.from_environment()
+    print(state.process_index, state.num_processes, state.device)
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .env import LaunchEnvironment, read_launch_environment
+
+
+class DistributedType(str, enum.Enum):
+    """How work is spread over processes (the same names as Accelerate's)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+
+
+class ProcessStateError(RuntimeError):
+    """The process group cannot be formed as the environment describes."""
+
+
+def select_device(local_rank: int, world_size: int, cpu: bool) -> torch.device:
+    """CUDA by local rank, else MPS for a single process, else CPU."""
+    if not cpu and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    mps = getattr(torch.backends, "mps", None)
+    if not cpu and world_size == 1 and mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def default_backend(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for everything else."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class ProcessState:
+    """Where this process sits in the job. Build it with :meth:`from_environment`."""
+
+    def __init__(
+        self,
+        *,
+        process_index: int,
+        num_processes: int,
+        local_process_index: int,
+        num_local_processes: int,
+        device: torch.device,
+        backend: str | None,
+        owns_process_group: bool,
+        debug: bool = False,
+        launch: LaunchEnvironment | None = None,
+    ) -> None:
+        self.process_index = process_index
+        self.num_processes = num_processes
+        self.local_process_index = local_process_index
+        self.num_local_processes = num_local_processes
+        self.device = device
+        self.backend = backend
+        self.owns_process_group = owns_process_group
+        self.debug = debug
+        self.launch = launch if launch is not None else LaunchEnvironment()
+
+    @classmethod
+    def from_environment(
+        cls,
+        *,
+        cpu: bool | None = None,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+        debug: bool | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> ProcessState:
+        """Read the launcher variables and join (or adopt) the process group.
+
+        With ``WORLD_SIZE > 1`` every rank joins one group (gloo on CPU, NCCL on CUDA); an
+        already-initialised ``torch.distributed`` group is adopted as is.
+        """
+        launch = read_launch_environment(environ)
+        if cpu is None:
+            cpu = bool(launch.launch_config.get("use_cpu", False))
+        if debug is None:
+            debug = launch.debug
+        rank, world = launch.rank, launch.world_size
+        local_rank, local_world = launch.local_rank, launch.local_world_size
+        owns = False
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+            if launch.world_size > 1 and launch.world_size != world:
+                raise ProcessStateError(
+                    f"the existing process group has {world} processes but the launcher "
+                    f"variables say WORLD_SIZE={launch.world_size}"
+                )
+            if launch.world_size == 1:
+                local_rank, local_world = rank, world
+        device = select_device(local_rank, world, cpu)
+        if world > 1 and not dist.is_initialized():
+            if not dist.is_available():
+                raise ProcessStateError(
+                    f"WORLD_SIZE={world} but this torch build has no torch.distributed"
+                )
+            backend = backend or default_backend(device)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            init_kwargs: dict[str, object] = {"backend": backend}
+            if timeout is not None:
+                init_kwargs["timeout"] = timeout
+            if launch.needs_init_method:
+                init_kwargs.update(
+                    init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                    rank=rank,
+                    world_size=world,
+                )
+            dist.init_process_group(**init_kwargs)  # type: ignore[arg-type]
+            owns = True
+            atexit.register(_destroy_group_at_exit)
+        elif world > 1:
+            backend = dist.get_backend()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+        else:
+            backend = None
+        return cls(
+            process_index=rank,
+            num_processes=world,
+            local_process_index=local_rank,
+            num_local_processes=local_world,
+            device=device,
+            backend=backend,
+            owns_process_group=owns,
+            debug=bool(debug),
+            launch=launch,
+        )
+
+    # -- who am I -------------------------------------------------------------------------
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """The data-parallel type implied by the devices (strategies may refine it)."""
+        if self.num_processes == 1:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    # -- synchronisation ------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this point."""
+        if self.num_processes > 1:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index or 0])
+            else:
+                dist.barrier()
+
+    def destroy(self) -> None:
+        """Tear the process group down if this state created it."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessState(process_index={self.process_index}, num_processes="
+            f"{self.num_processes}, local_process_index={self.local_process_index}, "
+            f"device={self.device}, backend={self.backend})"
+        )
+
+
+def _destroy_group_at_exit() -> None:
+    # Without this gloo can abort at interpreter shutdown ("terminate called without an
+    # active exception") and turn a successful run into a non-zero exit code.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_current: ProcessState | None = None
+
+
+def current_state() -> ProcessState:
+    """The state set by the active Accelerator, or one built from the environment."""
+    global _current
+    if _current is None:
+        _current = ProcessState.from_environment()
+    return _current
+
+
+def set_current_state(state: ProcessState | None) -> None:
+    """Make ``state`` the one free functions use (``None`` forgets it)."""
+    global _current
+    _current = state
+
+
+def has_current_state() -> bool:
+    return _current is not None

@@ -1,0 +1,57 @@
+"""Strategies and the registry that maps names to them.
+
+Strategies for optional engines are registered by import path, so DeepSpeed (for example)
+is imported only when its strategy is used.
+
+Example::
+
+    register_strategy("my_ddp", "my_package.strategies:MyDDP")
+    strategy = get_strategy_class("ddp")(state)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Strategy
+from .ddp import DDPStrategy
+from .single import SingleDeviceStrategy
+
+_REGISTRY: dict[str, type[Strategy] | str] = {
+    "single": SingleDeviceStrategy,
+    "ddp": DDPStrategy,
+}
+
+
+def register_strategy(name: str, strategy: type[Strategy] | str) -> None:
+    """Register a Strategy class, or a ``"module:Class"`` path imported on first use."""
+    _REGISTRY[name] = strategy
+
+
+def available_strategies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_strategy_class(name: str) -> type[Strategy]:
+    """The Strategy class registered under ``name``."""
+    try:
+        entry = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown strategy {name!r}; available: {', '.join(available_strategies())}"
+        ) from None
+    if isinstance(entry, str):
+        module_name, _, class_name = entry.partition(":")
+        entry = getattr(importlib.import_module(module_name), class_name)
+        _REGISTRY[name] = entry
+    return entry
+
+
+__all__ = [
+    "DDPStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "available_strategies",
+    "get_strategy_class",
+    "register_strategy",
+]

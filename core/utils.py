@@ -1,0 +1,31 @@
+"""Helpers importable from ``slipstream.utils`` (where Accelerate users look for them)."""
+
+from .collectives import (
+    broadcast,
+    broadcast_object_list,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+)
+from .data import skip_first_batches
+from .kwargs import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from .random import set_seed
+from .state import DistributedType
+from .tree import send_to_device
+
+__all__ = [
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "InitProcessGroupKwargs",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
+    "send_to_device",
+    "set_seed",
+    "skip_first_batches",
+]
