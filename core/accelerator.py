@@ -40,7 +40,13 @@ from .optimizer import AcceleratedOptimizer
 from .precision import Precision, make_precision, restore_forward
 from .scheduler import AcceleratedScheduler
 from .splitting import split_between_processes as _split
-from .state import DistributedType, ProcessState, current_state, has_current_state, set_current_state
+from .state import (
+    DistributedType,
+    ProcessState,
+    current_state,
+    has_current_state,
+    set_current_state,
+)
 from .step import StepState
 from .strategies import Strategy, get_strategy_class
 from .tree import map_tensors, tensor_leaves
@@ -248,7 +254,9 @@ class Accelerator:
         results: list[Any] = list(args)
 
         model_slots = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)]
-        optimizer_slots = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)]
+        optimizer_slots = [
+            i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)
+        ]
         if model_slots or optimizer_slots:
             models = [args[i] for i in model_slots]
             if self.strategy_autocasts:
@@ -312,11 +320,11 @@ class Accelerator:
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
         """Prepare one model (see :meth:`prepare`)."""
         placement = self.device_placement if device_placement is None else device_placement
-        return self.prepare(model, device_placement=[placement])  # type: ignore[no-any-return]
+        return self.prepare(model, device_placement=[placement])
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         """Prepare one optimizer (see :meth:`prepare`)."""
-        return self.prepare(optimizer)  # type: ignore[no-any-return]
+        return self.prepare(optimizer)
 
     def prepare_data_loader(
         self, data_loader: DataLoader[Any], device_placement: bool | None = None
@@ -449,9 +457,7 @@ class Accelerator:
         self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
     ) -> Any:
         """Pad tensors along ``dim`` to the largest size on any process."""
-        return collectives.pad_across_processes(
-            tensor, dim, pad_index, pad_first, state=self.state
-        )
+        return collectives.pad_across_processes(tensor, dim, pad_index, pad_first, state=self.state)
 
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this line."""

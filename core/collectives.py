@@ -141,7 +141,9 @@ def pad_across_processes(
                 f"tensor of shape {tuple(tensor.shape)}"
             )
     verify_collective(state, "pad_across_processes", data, free_dim=dim, dim=dim)
-    sizes = torch.tensor([t.shape[dim] for t in tensors], dtype=torch.int64, device=tensors[0].device)
+    sizes = torch.tensor(
+        [t.shape[dim] for t in tensors], dtype=torch.int64, device=tensors[0].device
+    )
     largest = _gather_tensor(sizes, state.num_processes).view(state.num_processes, -1).amax(0)
     padded = [
         _pad_dim(t, dim, int(n), pad_index, pad_first)

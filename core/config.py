@@ -157,9 +157,7 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{config.rdzv_backend!r}"
         )
     if config.num_processes < 1:
-        raise ConfigError(
-            f"{where}: num_processes must be at least 1, got {config.num_processes}"
-        )
+        raise ConfigError(f"{where}: num_processes must be at least 1, got {config.num_processes}")
     if config.num_machines < 1:
         raise ConfigError(f"{where}: num_machines must be at least 1, got {config.num_machines}")
     if not 0 <= config.machine_rank < config.num_machines:
@@ -229,7 +227,10 @@ def read_config_values(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         values = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
     if values is None:
         return {}
     if not isinstance(values, dict):

@@ -62,7 +62,13 @@ def verify_collective(
         + ")"
         for rank, entry in enumerate(everyone)
     ]
+    operations = {entry["key"]["operation"] for entry in everyone}
+    headline = (
+        f"ranks called different collectives ({', '.join(sorted(operations))})"
+        if len(operations) > 1
+        else f"ranks passed incompatible data to collective '{operation}'"
+    )
     raise CollectiveMismatchError(
-        f"ranks disagree on collective '{operation}' (debug mode check); every rank must call "
-        "the same collective with tensors of the same shape and dtype:\n" + "\n".join(lines)
+        f"{headline} (debug-mode check); every rank must call the same collective with "
+        "tensors of the same shape and dtype:\n" + "\n".join(lines)
     )

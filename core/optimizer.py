@@ -40,7 +40,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     # -- forwarded state ----------------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -48,7 +48,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -56,7 +56,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -86,7 +86,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if self.step_state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         if not self.step_state.sync_gradients:
             return None
         if self.scaler is not None:

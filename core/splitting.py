@@ -46,7 +46,7 @@ def split_sequence(
                 "split_between_processes needs all values of a dict to have the same length; "
                 f"got lengths {sorted(lengths)}"
             )
-        return type(inputs)(
+        return type(inputs)(  # type: ignore[call-arg]
             {
                 k: split_sequence(v, process_index, num_processes, apply_padding)
                 for k, v in inputs.items()

@@ -172,7 +172,9 @@ class ProcessState:
         """The data-parallel type implied by the devices (strategies may refine it)."""
         if self.num_processes == 1:
             return DistributedType.NO
-        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+        return (
+            DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+        )
 
     # -- synchronisation ------------------------------------------------------------------
     def wait_for_everyone(self) -> None:

@@ -34,44 +34,87 @@ def register(subparsers: Any) -> None:
         description="Run a training script on every process of a job (built on torchrun).",
     )
     parser.set_defaults(run=run)
-    parser.add_argument("--config_file", "--config-file", dest="config_file", default=None,
-                        help="YAML config (default: the file written by `slipstream config`)")
+    parser.add_argument(
+        "--config_file",
+        "--config-file",
+        dest="config_file",
+        default=None,
+        help="YAML config (default: the file written by `slipstream config`)",
+    )
 
     hardware = parser.add_argument_group("processes and machines")
-    _option(hardware, "num_processes", "-n", type=int,
-            help="total processes over all machines (default: GPUs, else 1)")
+    _option(
+        hardware,
+        "num_processes",
+        "-n",
+        type=int,
+        help="total processes over all machines (default: GPUs, else 1)",
+    )
     _option(hardware, "num_machines", type=int, help="number of machines (default 1)")
     _option(hardware, "machine_rank", type=int, help="rank of this machine (0 hosts the job)")
     _option(hardware, "main_process_ip", help="address of machine 0 (multi-machine jobs)")
-    _option(hardware, "main_process_port", type=int,
-            help="port on machine 0 (default: a free port on one machine, 29500 on several)")
-    _option(hardware, "rdzv_backend", choices=["c10d", "static"],
-            help="torchrun rendezvous for multi-machine jobs (default c10d)")
+    _option(
+        hardware,
+        "main_process_port",
+        type=int,
+        help="port on machine 0 (default: a free port on one machine, 29500 on several)",
+    )
+    _option(
+        hardware,
+        "rdzv_backend",
+        choices=["c10d", "static"],
+        help="torchrun rendezvous for multi-machine jobs (default c10d)",
+    )
     _option(hardware, "cpu", action="store_const", const=True, help="use the CPU even with GPUs")
-    _option(hardware, "multi_gpu", action="store_const", const=True,
-            help="data-parallel training on several GPUs")
+    _option(
+        hardware,
+        "multi_gpu",
+        action="store_const",
+        const=True,
+        help="data-parallel training on several GPUs",
+    )
     _option(hardware, "gpu_ids", help="comma-separated GPU ids to use (default all)")
 
     training = parser.add_argument_group("training")
-    _option(training, "mixed_precision", choices=["no", "fp16", "bf16", "fp8"],
-            help="mixed precision mode")
-    _option(training, "gradient_accumulation_steps", type=int,
-            help="micro-batches per optimizer step")
-    _option(training, "debug", action="store_const", const=True,
-            help="check every collective for matching calls on all ranks")
+    _option(
+        training,
+        "mixed_precision",
+        choices=["no", "fp16", "bf16", "fp8"],
+        help="mixed precision mode",
+    )
+    _option(
+        training, "gradient_accumulation_steps", type=int, help="micro-batches per optimizer step"
+    )
+    _option(
+        training,
+        "debug",
+        action="store_const",
+        const=True,
+        help="check every collective for matching calls on all ranks",
+    )
 
     fault = parser.add_argument_group("fault tolerance")
     _option(fault, "max_restarts", type=int, help="restart the workers up to N times on failure")
     _option(fault, "monitor_interval", type=float, help="seconds between worker health checks")
 
     target = parser.add_argument_group("what to run")
-    _option(target, "module", "-m", action="store_true",
-            help="run the target as a module, like python -m")
-    _option(target, "no_python", action="store_true",
-            help="run the target as an executable, not with python")
+    _option(
+        target,
+        "module",
+        "-m",
+        action="store_true",
+        help="run the target as a module, like python -m",
+    )
+    _option(
+        target,
+        "no_python",
+        action="store_true",
+        help="run the target as an executable, not with python",
+    )
     parser.add_argument("training_script", help="the script (or module) to run")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
-                        help="arguments for the script")
+    parser.add_argument(
+        "training_script_args", nargs=argparse.REMAINDER, help="arguments for the script"
+    )
 
 
 _FLAG_TO_KEY = {
@@ -112,7 +155,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
     flags = {key: getattr(args, flag) for flag, key in _FLAG_TO_KEY.items()}
     values.update({key: value for key, value in flags.items() if value is not None})
     if "num_processes" not in values:
-        values["num_processes"] = _default_processes(bool(values.get("use_cpu")))
+        machines = int(values.get("num_machines", 1) or 1)
+        values["num_processes"] = machines * _default_processes(bool(values.get("use_cpu")))
     if args.multi_gpu:
         values["distributed_type"] = "MULTI_GPU"
     elif values.get("distributed_type", "NO") == "NO" and int(values["num_processes"]) > 1:
@@ -120,7 +164,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
 
         gpu = torch.cuda.is_available() and not values.get("use_cpu")
         values["distributed_type"] = "MULTI_GPU" if gpu else "MULTI_CPU"
-    config, more = config_from_dict(values, where="slipstream launch")
+    config, more = config_from_dict(values, where="options")
     return config, notes + more
 
 

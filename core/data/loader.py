@@ -150,7 +150,10 @@ class PreparedDataLoader(DataLoader[Any]):
         # every rank once the generators agree; rank 0's state is the reference.
         from ..collectives import broadcast
 
-        samplers = [getattr(self.shard, "sampler", None), getattr(self.shard, "batch_sampler", None)]
+        samplers = [
+            getattr(self.shard, "sampler", None),
+            getattr(self.shard, "batch_sampler", None),
+        ]
         for sampler in samplers:
             generator = getattr(sampler, "generator", None)
             if isinstance(generator, torch.Generator):
@@ -205,7 +208,7 @@ class PreparedDataLoader(DataLoader[Any]):
         else:
             self._iterable_skip = num_batches
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._start_pass()
         pending_skip = 0
         if isinstance(self.shard, ShardedBatchSampler):
@@ -279,7 +282,7 @@ def _seeded_batch_sampler(loader: DataLoader[Any], state: ProcessState) -> Any:
     sampler = getattr(batch_sampler, "sampler", None)
     if type(batch_sampler) is BatchSampler and type(sampler) is RandomSampler:
         seeded = SeedableRandomSampler(
-            len(sampler.data_source),  # type: ignore[arg-type]
+            len(sampler.data_source),
             _agreed_seed(sampler.generator, state),
             replacement=sampler.replacement,
             num_samples=sampler.num_samples,

@@ -65,7 +65,7 @@ def patch_forward_with(
         return map_tensors(_to_fp32, outputs) if convert_outputs_to_fp32 else outputs
 
     setattr(model, _ORIGINAL_FORWARD, original)
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
     return model
 
 

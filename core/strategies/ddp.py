@@ -44,4 +44,3 @@ class DDPStrategy(Strategy):
                 yield
         else:
             yield
-

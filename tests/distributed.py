@@ -1,0 +1,162 @@
+"""Shared helpers for real multi-process tests: processes on CPU over gloo, bound to
+127.0.0.1 on a free port, with a timeout so a hang fails the test instead of the suite.
+
+Example::
+
+    def _body(scale):                       # module level, so spawned processes import it
+        acc = Accelerator()
+        return acc.process_index * scale
+
+    def test_it():
+        assert run_distributed(_body, 10) == [0, 10]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TIMEOUT = 120.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _child(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, results: Any) -> None:
+    try:
+        value = fn(*args)
+        payload = (rank, True, pickle.dumps(value))
+    except BaseException:
+        payload = (rank, False, traceback.format_exc())
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    results.put(payload)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` fresh processes forming one gloo group.
+
+    Returns the per-rank return values (index = rank). The first failing rank's traceback
+    fails the test at once (the other ranks are stopped); so does the timeout.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = str(free_port())
+    processes = []
+    for rank in range(world_size):
+        variables = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        with _environment(variables):
+            process = context.Process(target=_child, args=(fn, args, rank, results), daemon=True)
+            process.start()
+        processes.append(process)
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(
+                    f"{fn.__name__} timed out after {timeout:.0f}s on {world_size} processes; "
+                    f"ranks that finished: {sorted(collected)}"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+                if dead and not any(r in collected for r in dead):
+                    time.sleep(0.5)  # a result may still be in flight
+                    if results.empty():
+                        raise AssertionError(
+                            f"rank(s) {dead} of {fn.__name__} died without a result "
+                            f"(exit codes {[processes[r].exitcode for r in dead]})"
+                        ) from None
+                continue
+            if not ok:
+                raise AssertionError(f"rank {rank} of {fn.__name__} failed:\n{payload}")
+            collected[rank] = pickle.loads(payload)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [collected[rank] for rank in range(world_size)]
+
+
+def run_cli(
+    *arguments: str,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m slipstream.cli ARGS`` (the ``slipstream`` command) and capture output."""
+    return run_python("-m", "slipstream.cli", *arguments, timeout=timeout, env=env, cwd=cwd)
+
+
+def run_python(
+    *arguments: str,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run this interpreter with ``arguments``; a hang fails after ``timeout`` seconds."""
+    variables = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        variables.pop(key, None)
+    variables.update(env or {})
+    return subprocess.run(
+        [sys.executable, *arguments],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=variables,
+        cwd=cwd or REPO,
+    )

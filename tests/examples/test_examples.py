@@ -1,0 +1,30 @@
+"""Every example runs, in its quick mode, the way its header says to run it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.distributed import REPO, run_cli, run_python
+
+TRAIN = str(REPO / "examples" / "train.py")
+
+
+def test_train_example_on_two_cpu_processes(tmp_path: Path):
+    weights = tmp_path / "weights.pt"
+    result = run_cli(
+        "launch", "--num_processes", "2", "--cpu", TRAIN, "--quick", "--save", str(weights)
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "eval accuracy" in line]
+    assert len(lines) == 1, "only the main process prints"
+    assert "on 1001 samples (2 processes, cpu)" in lines[0]
+    state = torch.load(weights, weights_only=True)
+    assert set(state) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+
+
+def test_train_example_on_one_process():
+    result = run_python(TRAIN, "--quick")
+    assert result.returncode == 0, result.stderr
+    assert "on 1001 samples (1 processes, cpu)" in result.stdout

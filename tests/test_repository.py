@@ -1,0 +1,25 @@
+"""The README's Quick start and CI stay in step."""
+
+from __future__ import annotations
+
+import re
+
+from tests.distributed import REPO
+
+
+def quick_start_commands() -> list[str]:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def test_quick_start_has_exactly_two_commands():
+    commands = quick_start_commands()
+    assert len(commands) == 2 and all("\n" not in c for c in commands)
+    assert "slipstream launch --num_processes 2 --cpu examples/train.py" in commands[0]
+    assert all("pip install torch==2.13.0" in c for c in commands)
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert quick_start_commands()[1] in ci
