@@ -261,9 +261,10 @@ class Accelerator:
             models = [args[i] for i in model_slots]
             if self.strategy_autocasts:
                 models = [self.precision.patch_forward(m) for m in models]
-            placed_all = all(placements[i] for i in model_slots)
             wrapped, optimizers = self.strategy.setup(
-                models, [args[i] for i in optimizer_slots], device_placement=placed_all
+                models,
+                [args[i] for i in optimizer_slots],
+                device_placement=[placements[i] for i in model_slots],
             )
             for slot, model in zip(model_slots, wrapped, strict=True):
                 results[slot] = model

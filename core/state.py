@@ -34,6 +34,11 @@ class DistributedType(str, enum.Enum):
     FSDP = "FSDP"
 
 
+#: How long a collective may wait for the other processes before failing (torch's default;
+#: change it with ``InitProcessGroupKwargs(timeout=...)``).
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
 class ProcessStateError(RuntimeError):
     """The process group cannot be formed as the environment describes."""
 
@@ -120,9 +125,10 @@ class ProcessState:
             backend = backend or default_backend(device)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            init_kwargs: dict[str, object] = {"backend": backend}
-            if timeout is not None:
-                init_kwargs["timeout"] = timeout
+            init_kwargs: dict[str, object] = {
+                "backend": backend,
+                "timeout": timeout or DEFAULT_TIMEOUT,
+            }
             if launch.needs_init_method:
                 init_kwargs.update(
                     init_method=f"tcp://{launch.master_addr}:{launch.master_port}",

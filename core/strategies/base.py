@@ -37,10 +37,14 @@ class Strategy:
         models: list[nn.Module],
         optimizers: list[torch.optim.Optimizer],
         *,
-        device_placement: bool,
+        device_placement: list[bool],
     ) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
-        """Place and wrap models; return optimizers to use (they may be rebuilt)."""
-        wrapped = [self.wrap_model(m, device_placement=device_placement) for m in models]
+        """Place and wrap models (``device_placement`` has one flag per model); return the
+        optimizers to use (a strategy may rebuild them)."""
+        wrapped = [
+            self.wrap_model(m, device_placement=place)
+            for m, place in zip(models, device_placement, strict=True)
+        ]
         return wrapped, optimizers
 
     def wrap_model(self, model: nn.Module, *, device_placement: bool) -> nn.Module:
