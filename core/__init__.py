@@ -16,9 +16,17 @@ from .collectives import (
     pad_across_processes,
     reduce,
 )
+from .compile import CompileError
 from .data import skip_first_batches
 from .debug import CollectiveMismatchError
-from .kwargs import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from .kwargs import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    TorchDynamoPlugin,
+)
 from .random import set_seed
 from .state import DistributedType, ProcessState
 from .tree import send_to_device
@@ -27,13 +35,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Accelerator",
+    "AutocastKwargs",
     "CollectiveMismatchError",
+    "CompileError",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "PrepareError",
     "ProcessState",
+    "TorchDynamoPlugin",
     "__version__",
     "broadcast",
     "broadcast_object_list",

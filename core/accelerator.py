@@ -29,12 +29,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import collectives
+from .compile import check_backend, compile_model, normalise_backend
 from .data import ActiveLoaders, PreparedDataLoader, prepare_data_loader, skip_first_batches
 from .kwargs import (
+    AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    TorchDynamoPlugin,
 )
 from .optimizer import AcceleratedOptimizer
 from .precision import Precision, make_precision, restore_forward
@@ -91,6 +95,8 @@ class Accelerator:
         kwargs_handlers: option objects such as :class:`DistributedDataParallelKwargs`.
         step_scheduler_with_optimizer: step prepared schedulers only with the optimizer.
         debug: check every collective for matching calls on all ranks.
+        dynamo_backend: compile prepared models with ``torch.compile`` and this backend.
+        dynamo_plugin: a :class:`TorchDynamoPlugin` with all ``torch.compile`` settings.
     """
 
     def __init__(
@@ -105,6 +111,8 @@ class Accelerator:
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
         step_scheduler_with_optimizer: bool = True,
         debug: bool | None = None,
+        dynamo_backend: str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
     ) -> None:
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
@@ -129,9 +137,19 @@ class Accelerator:
         if gradient_accumulation_steps is None:
             gradient_accumulation_steps = int(launch.get("gradient_accumulation_steps", 1))
         self.step_state = StepState(gradient_accumulation_steps=gradient_accumulation_steps)
-        self.mixed_precision = str(mixed_precision or launch.get("mixed_precision") or "no")
-        self.precision: Precision = make_precision(self.mixed_precision, self.state.device)
+        autocast = handlers.get(AutocastKwargs, AutocastKwargs())
+        scaler = handlers.get(GradScalerKwargs)
+        assert isinstance(autocast, AutocastKwargs)
+        self.precision: Precision = make_precision(
+            mixed_precision or launch.get("mixed_precision") or "no",
+            self.state.device,
+            convert_outputs_to_fp32=autocast.convert_outputs_to_fp32,
+            autocast_enabled=autocast.enabled,
+            cache_enabled=autocast.cache_enabled,
+            scaler_kwargs=scaler.to_kwargs() if scaler is not None else None,
+        )
         self.mixed_precision = self.precision.mode
+        self.dynamo_plugin = self._dynamo_plugin(dynamo_backend, dynamo_plugin, launch)
 
         self.strategy = self._build_strategy(launch, handlers)
         self.active_loaders = ActiveLoaders()
@@ -156,6 +174,24 @@ class Accelerator:
         )
         set_current_state(state)
         return state
+
+    @staticmethod
+    def _dynamo_plugin(
+        backend: str | None, plugin: TorchDynamoPlugin | None, launch: dict[str, Any]
+    ) -> TorchDynamoPlugin:
+        if plugin is None:
+            dynamo = launch.get("dynamo_config") or {}
+            plugin = TorchDynamoPlugin(
+                backend=str(dynamo.get("dynamo_backend", "no")),
+                mode=dynamo.get("dynamo_mode"),
+                fullgraph=bool(dynamo.get("dynamo_use_fullgraph", False)),
+                dynamic=dynamo.get("dynamo_use_dynamic"),
+            )
+        if backend is not None:
+            plugin.backend = backend
+        plugin.backend = normalise_backend(plugin.backend)
+        check_backend(plugin)
+        return plugin
 
     def _build_strategy(
         self, launch: dict[str, Any], handlers: dict[type, KwargsHandler]
@@ -260,13 +296,15 @@ class Accelerator:
         if model_slots or optimizer_slots:
             models = [args[i] for i in model_slots]
             if self.strategy_autocasts:
-                models = [self.precision.patch_forward(m) for m in models]
+                models = [self.precision.convert_model(m) for m in models]
             wrapped, optimizers = self.strategy.setup(
                 models,
                 [args[i] for i in optimizer_slots],
                 device_placement=[placements[i] for i in model_slots],
             )
             for slot, model in zip(model_slots, wrapped, strict=True):
+                if self.dynamo_plugin.backend != "no":
+                    model = compile_model(model, self.dynamo_plugin)
                 results[slot] = model
                 self._models.append(model)
             for slot, optimizer in zip(optimizer_slots, optimizers, strict=True):
@@ -363,26 +401,36 @@ class Accelerator:
 
     # -- training step ------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()`` with gradient-accumulation averaging and loss scaling."""
+        """``loss.backward()`` with gradient-accumulation averaging and loss scaling.
+
+        With accumulation the loss is divided by the micro-batches of the current cycle, so
+        N accumulated micro-batches give the update of one N-times larger batch (also for a
+        shorter final cycle of an epoch).
+        """
         if self.gradient_accumulation_steps > 1:
-            loss = loss / self.gradient_accumulation_steps
+            loss = loss / self.step_state.loss_divisor
         self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
         """One micro-step: gradients synchronise (and optimizers step) only every
-        ``gradient_accumulation_steps`` micro-steps and at the end of the dataloader."""
-        self.step_state.begin_micro_step(self.active_loaders.end_of_dataloader)
+        ``gradient_accumulation_steps`` micro-steps and at the end of the dataloader; in
+        between, backward runs without inter-process communication."""
+        loader = self.active_loaders.innermost
+        self.step_state.begin_micro_step(
+            self.active_loaders.end_of_dataloader,
+            loader.batches_left if loader is not None else None,
+        )
         with contextlib.ExitStack() as stack:
             if not self.sync_gradients:
                 for model in models or self._models:
-                    stack.enter_context(self.strategy.no_sync(model))
+                    stack.enter_context(self.no_sync(model))
             yield
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Run backward inside without synchronising ``model``'s gradients."""
-        with self.strategy.no_sync(model):
+        with self.strategy.no_sync(getattr(model, "_orig_mod", model)):
             yield
 
     @contextlib.contextmanager
@@ -392,32 +440,53 @@ class Accelerator:
             yield
 
     def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
-        """Divide fp16-scaled gradients by the loss scale (before clipping or inspecting)."""
-        scaler = self.scaler
-        if scaler is None:
-            return
+        """Divide fp16-scaled gradients by the loss scale (before clipping or inspecting).
+
+        Safe to call more than once per step: each optimizer is unscaled once.
+        """
         for opt in [optimizer] if optimizer is not None else self._optimizers:
-            inner = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
-            scaler.unscale_(inner)
+            opt.unscale_gradients()
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Clip gradients to a total norm of ``max_norm``; returns the norm before clipping."""
-        if self.sync_gradients:
-            self.unscale_gradients()
+        """Clip gradients to a total norm of ``max_norm``; returns the total norm before
+        clipping (over all processes for sharded strategies; fp16 gradients are unscaled
+        first).
+
+        Only synchronising micro-steps clip, since only they step the optimizer; on the
+        others the gradients are partial and are left alone (the norm is still returned).
+        """
+        parameters = list(parameters)
+        if not self.sync_gradients:
+            return self._unscaled_norm(parameters, norm_type)
+        self.unscale_gradients()
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
+    def _unscaled_norm(self, parameters: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0, device=self.device)
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]),
+            norm_type,
+        )
+        scaler = self.scaler
+        return norm / scaler.get_scale() if scaler is not None else norm
+
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        """Clamp every gradient element to ``[-clip_value, clip_value]``."""
-        if self.sync_gradients:
-            self.unscale_gradients()
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (on synchronising
+        micro-steps, after unscaling fp16 gradients)."""
+        if not self.sync_gradients:
+            return
+        self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
 
     # -- models -------------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
         """The user's module without the strategy's (and torch.compile's) wrappers."""
-        inner = self.strategy.unwrap_model(model)
+        inner = getattr(model, "_orig_mod", model)
+        inner = self.strategy.unwrap_model(inner)
         inner = getattr(inner, "_orig_mod", inner)
         if not keep_fp32_wrapper:
             restore_forward(inner)

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP")
-MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+MIXED_PRECISION = ("no", "fp16", "bf16", "fp8", "bf16-true", "fp16-true")
 RDZV_BACKENDS = ("static", "c10d")
 
 # Accelerate keys for hardware slipstream does not drive; accepted only at their defaults.
@@ -144,13 +144,15 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{config.distributed_type!r}{_suggest(distributed, DISTRIBUTED_TYPES)}"
         )
     changes["distributed_type"] = distributed
-    precision = str(config.mixed_precision).lower()
-    if precision not in MIXED_PRECISION:
+    from .precision import canonical_mode
+
+    try:
+        changes["mixed_precision"] = canonical_mode(config.mixed_precision)
+    except ValueError:
         raise ConfigError(
             f"{where}: mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got "
             f"{config.mixed_precision!r}"
-        )
-    changes["mixed_precision"] = precision
+        ) from None
     if config.rdzv_backend not in RDZV_BACKENDS:
         raise ConfigError(
             f"{where}: rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got "

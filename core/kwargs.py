@@ -63,3 +63,39 @@ class DataLoaderConfiguration:
     split_batches: bool = False
     even_batches: bool = True
     non_blocking: bool = False
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    """How prepared models run under autocast.
+
+    ``convert_outputs_to_fp32``: cast half-precision outputs of a prepared model's forward
+    back to fp32 (so losses are computed in fp32).
+    """
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+    convert_outputs_to_fp32: bool = True
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Options of the fp16 loss scaler (``torch.amp.GradScaler``)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class TorchDynamoPlugin:
+    """``torch.compile`` settings: ``backend`` ("inductor", "aot_eager", ... or "no"),
+    ``mode``, ``fullgraph``, ``dynamic`` and backend ``options``."""
+
+    backend: str = "no"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    options: dict[str, Any] | None = None

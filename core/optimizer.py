@@ -37,6 +37,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         #: True when the last sync-step was skipped (fp16 overflow).
         self.step_was_skipped = False
+        self._unscaled = False
 
     # -- forwarded state ----------------------------------------------------------------
     @property
@@ -82,6 +83,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
     # -- stepping -------------------------------------------------------------------------
+    def unscale_gradients(self) -> None:
+        """Divide fp16-scaled gradients by the loss scale, once per optimizer step."""
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optimizer)
+            self._unscaled = True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.step_state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -89,6 +96,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if not self.step_state.sync_gradients:
             return None
+        self._unscaled = False
         if self.scaler is not None:
             scale_before = self.scaler.get_scale()
             result = self.scaler.step(self.optimizer, closure)

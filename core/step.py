@@ -16,26 +16,37 @@ class StepState:
     gradient_accumulation_steps: int = 1
     #: True on micro-steps whose backward synchronises gradients and whose optimizer steps.
     sync_gradients: bool = True
-    #: Micro-steps entered through ``accumulate()``.
+    #: Micro-steps entered through ``accumulate()`` in the current epoch.
     micro_steps: int = 0
+    #: Micro-batches in the current accumulation cycle (shorter at the end of an epoch
+    #: whose length is not a multiple of ``gradient_accumulation_steps``).
+    cycle_length: int = 1
     #: Optimizer steps taken (not skipped) — the checkpointed "step".
     optimizer_steps: int = 0
 
     def __post_init__(self) -> None:
-        if int(self.gradient_accumulation_steps) != self.gradient_accumulation_steps or (
-            self.gradient_accumulation_steps < 1
-        ):
-            raise ValueError(
-                "gradient_accumulation_steps must be an integer >= 1, got "
-                f"{self.gradient_accumulation_steps!r}"
-            )
+        steps = self.gradient_accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}")
+        self.cycle_length = steps
 
-    def begin_micro_step(self, end_of_dataloader: bool) -> None:
-        """Advance one micro-step; the last micro-step of a cycle or an epoch synchronises."""
+    def begin_micro_step(self, end_of_dataloader: bool, batches_left: int | None = None) -> None:
+        """Advance one micro-step.
+
+        The last micro-step of a cycle, and the last batch of an epoch, synchronise.
+        ``batches_left`` (this one included), when the dataloader knows it, shortens the
+        final cycle of an epoch so its loss is averaged over the micro-batches it really has.
+        """
+        steps = self.gradient_accumulation_steps
+        position = self.micro_steps % steps
+        if position == 0:
+            self.cycle_length = steps if batches_left is None else max(1, min(steps, batches_left))
         self.micro_steps += 1
-        self.sync_gradients = (
-            self.micro_steps % self.gradient_accumulation_steps == 0 or end_of_dataloader
-        )
+        self.sync_gradients = position + 1 == self.cycle_length or end_of_dataloader
         if end_of_dataloader:
-            # A new epoch starts a new accumulation cycle.
-            self.micro_steps = 0
+            self.micro_steps = 0  # a new epoch starts a new cycle
+
+    @property
+    def loss_divisor(self) -> int:
+        """What ``backward`` divides the loss by: the micro-batches of this cycle."""
+        return self.cycle_length

@@ -9,16 +9,26 @@ from .collectives import (
     reduce,
 )
 from .data import skip_first_batches
-from .kwargs import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from .kwargs import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    TorchDynamoPlugin,
+)
 from .random import set_seed
 from .state import DistributedType
 from .tree import send_to_device
 
 __all__ = [
+    "AutocastKwargs",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "GradScalerKwargs",
     "InitProcessGroupKwargs",
+    "TorchDynamoPlugin",
     "broadcast",
     "broadcast_object_list",
     "gather",

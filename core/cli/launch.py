@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from ..config import (
+    MIXED_PRECISION,
     ConfigError,
     LaunchConfig,
     config_from_dict,
@@ -76,11 +77,11 @@ def register(subparsers: Any) -> None:
     _option(hardware, "gpu_ids", help="comma-separated GPU ids to use (default all)")
 
     training = parser.add_argument_group("training")
+    _option(training, "mixed_precision", choices=list(MIXED_PRECISION), help="mixed precision mode")
     _option(
         training,
-        "mixed_precision",
-        choices=["no", "fp16", "bf16", "fp8"],
-        help="mixed precision mode",
+        "dynamo_backend",
+        help="torch.compile prepared models with this backend (e.g. inductor)",
     )
     _option(
         training, "gradient_accumulation_steps", type=int, help="micro-batches per optimizer step"
@@ -164,6 +165,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
 
         gpu = torch.cuda.is_available() and not values.get("use_cpu")
         values["distributed_type"] = "MULTI_GPU" if gpu else "MULTI_CPU"
+    if args.dynamo_backend is not None:
+        values["dynamo_config"] = {
+            **(values.get("dynamo_config") or {}),
+            "dynamo_backend": args.dynamo_backend.upper(),
+        }
     config, more = config_from_dict(values, where="options")
     return config, notes + more
 

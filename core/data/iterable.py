@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from .samplers import _complete
+from .samplers import _complete, check_shard_arguments
 
 
 class IterableDatasetShard(IterableDataset[Any]):
@@ -37,11 +37,7 @@ class IterableDatasetShard(IterableDataset[Any]):
         even_batches: bool = True,
         drop_last: bool = False,
     ) -> None:
-        if split_batches and batch_size % num_processes:
-            raise ValueError(
-                f"split_batches=True needs a batch size divisible by the number of processes; "
-                f"got batch_size={batch_size} with {num_processes} processes"
-            )
+        check_shard_arguments(num_processes, process_index, split_batches, batch_size)
         self.dataset = dataset
         self.num_processes = num_processes
         self.process_index = process_index

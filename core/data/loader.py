@@ -188,6 +188,15 @@ class PreparedDataLoader(DataLoader[Any]):
         return False
 
     @property
+    def batches_left(self) -> int | None:
+        """Batches of this pass not yet yielded, counting the current one (None if unknown)."""
+        try:
+            length = len(self)
+        except TypeError:
+            return None
+        return max(0, length - self.batches_yielded + 1)
+
+    @property
     def total_batch_size(self) -> int | None:
         """Samples per optimizer step over all processes."""
         if isinstance(self.shard, IterableDatasetShard):

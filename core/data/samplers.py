@@ -90,6 +90,22 @@ def _chunks(indices: list[Any], parts: int) -> list[list[Any]]:
     return out
 
 
+def check_shard_arguments(
+    num_processes: int, process_index: int, split_batches: bool, batch_size: int | None
+) -> None:
+    """Reject a rank outside the world, or a batch that cannot be split evenly."""
+    if num_processes < 1 or not 0 <= process_index < num_processes:
+        raise ValueError(
+            f"process_index={process_index} is not valid for num_processes={num_processes}"
+        )
+    if split_batches and batch_size is not None and batch_size % num_processes:
+        raise ValueError(
+            f"split_batches=True needs a batch size divisible by the number of processes; "
+            f"got batch_size={batch_size} with {num_processes} processes: use a multiple of "
+            f"{num_processes}"
+        )
+
+
 def _flag_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     """Yield ``(item, is_last)`` using one item of look-ahead."""
     iterator = iter(items)
@@ -137,10 +153,7 @@ class ShardedBatchSampler(Sampler[list[Any]]):
         split_batches: bool = False,
         even_batches: bool = True,
     ) -> None:
-        if num_processes < 1 or not 0 <= process_index < num_processes:
-            raise ValueError(
-                f"process_index={process_index} is not valid for num_processes={num_processes}"
-            )
+        check_shard_arguments(num_processes, process_index, split_batches, None)
         self.batch_sampler = batch_sampler
         self.num_processes = num_processes
         self.process_index = process_index
@@ -148,12 +161,7 @@ class ShardedBatchSampler(Sampler[list[Any]]):
         self.even_batches = even_batches
         self.batch_size: int | None = getattr(batch_sampler, "batch_size", None)
         self.drop_last: bool = bool(getattr(batch_sampler, "drop_last", False))
-        if split_batches and self.batch_size is not None and self.batch_size % num_processes:
-            raise ValueError(
-                f"split_batches=True needs a batch size divisible by the number of processes; "
-                f"got batch_size={self.batch_size} with {num_processes} processes: use a "
-                f"multiple of {num_processes}"
-            )
+        check_shard_arguments(num_processes, process_index, split_batches, self.batch_size)
         #: Global indices in the final global batch that are real (not completion); set
         #: once iteration reaches it. ``None`` until then.
         self.final_real_samples: int | None = None

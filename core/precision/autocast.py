@@ -17,8 +17,8 @@ class AutocastPrecision(Precision):
 
     dtype: ClassVar[torch.dtype]
 
-    def __init__(self, device: torch.device, *, convert_outputs_to_fp32: bool = True) -> None:
-        super().__init__(device, convert_outputs_to_fp32=convert_outputs_to_fp32)
+    def __init__(self, device: torch.device, **options: Any) -> None:
+        super().__init__(device, **options)
         available = getattr(torch.amp.autocast_mode, "is_autocast_available", None)
         if available is not None and not available(device.type):
             raise ValueError(
@@ -26,12 +26,19 @@ class AutocastPrecision(Precision):
                 f"device type {device.type!r}; use mixed_precision='no'"
             )
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtype
+
     @contextlib.contextmanager
     def autocast(self, enabled: bool = True) -> Iterator[None]:
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=enabled):
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "enabled": enabled and self.autocast_enabled}
+        if self.cache_enabled is not None:
+            kwargs["cache_enabled"] = self.cache_enabled
+        with torch.autocast(self.device.type, **kwargs):
             yield
 
-    def patch_forward(self, model: nn.Module) -> nn.Module:
+    def convert_model(self, model: nn.Module) -> nn.Module:
         return patch_forward_with(model, self.autocast, self.convert_outputs_to_fp32)
 
 
@@ -52,10 +59,10 @@ class FP16Precision(AutocastPrecision):
         self,
         device: torch.device,
         *,
-        convert_outputs_to_fp32: bool = True,
         scaler_kwargs: dict[str, Any] | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(device, convert_outputs_to_fp32=convert_outputs_to_fp32)
+        super().__init__(device, **options)
         self._scaler = torch.amp.GradScaler(device.type, **(scaler_kwargs or {}))
 
     @property

@@ -24,21 +24,35 @@ class Precision:
     #: The ``mixed_precision`` value this class implements.
     mode: ClassVar[str] = "no"
 
-    def __init__(self, device: torch.device, *, convert_outputs_to_fp32: bool = True) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        convert_outputs_to_fp32: bool = True,
+        autocast_enabled: bool = True,
+        cache_enabled: bool | None = None,
+    ) -> None:
         self.device = device
         self.convert_outputs_to_fp32 = convert_outputs_to_fp32
+        self.autocast_enabled = autocast_enabled
+        self.cache_enabled = cache_enabled
 
     @property
     def scaler(self) -> Any:
         """A ``torch.amp.GradScaler`` when losses are scaled (fp16), else ``None``."""
         return None
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in."""
+        return torch.float32
+
     @contextlib.contextmanager
     def autocast(self, enabled: bool = True) -> Iterator[None]:
         yield
 
-    def patch_forward(self, model: nn.Module) -> nn.Module:
-        """Make ``model.forward`` run under :meth:`autocast` (no-op at full precision)."""
+    def convert_model(self, model: nn.Module) -> nn.Module:
+        """Prepare ``model`` for this precision (patch its forward, cast or swap layers)."""
         return model
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -50,7 +64,10 @@ def _to_fp32(value: torch.Tensor) -> torch.Tensor:
 
 
 def patch_forward_with(
-    model: nn.Module, context: Callable[[], Any], convert_outputs_to_fp32: bool
+    model: nn.Module,
+    context: Callable[[], Any],
+    convert_outputs_to_fp32: bool,
+    convert_inputs: Callable[[Any], Any] | None = None,
 ) -> nn.Module:
     """Replace ``model.forward`` by one running under ``context()``; undone by
     :func:`restore_forward`."""
@@ -60,6 +77,8 @@ def patch_forward_with(
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if convert_inputs is not None:
+            args, kwargs = convert_inputs((args, kwargs))
         with context():
             outputs = original(*args, **kwargs)
         return map_tensors(_to_fp32, outputs) if convert_outputs_to_fp32 else outputs
