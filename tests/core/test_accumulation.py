@@ -121,9 +121,7 @@ def test_a_short_final_cycle_is_averaged_over_what_it_has():
 
 
 def _clipping(precision: str) -> dict:
-    acc = Accelerator(
-        mixed_precision=precision, kwargs_handlers=[GradScalerKwargs(init_scale=128)]
-    )
+    acc = Accelerator(mixed_precision=precision, kwargs_handlers=[GradScalerKwargs(init_scale=128)])
     set_seed(0)
     model = _model()
     reference = copy.deepcopy(model)
@@ -178,4 +176,6 @@ def test_clipping_between_sync_steps_leaves_partial_gradients_alone():
         before = model.weight.grad.clone()
         norm = acc.clip_grad_norm_(model.parameters(), 1e-6)
         assert torch.equal(model.weight.grad, before) and not acc.sync_gradients
-        assert abs(norm.item() - torch.cat([before.flatten(), model.bias.grad]).norm().item()) < 1e-5
+        assert (
+            abs(norm.item() - torch.cat([before.flatten(), model.bias.grad]).norm().item()) < 1e-5
+        )

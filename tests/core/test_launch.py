@@ -32,6 +32,7 @@ PROBE = textwrap.dedent(
         "sum": int(total),
         "type": accelerator.distributed_type.value,
         "precision": accelerator.mixed_precision,
+        "dynamo": accelerator.dynamo_plugin.backend,
         "device": str(accelerator.device),
         "argv": sys.argv[1:],
         "main": __name__,
@@ -65,12 +66,13 @@ def test_launch_forms_one_gloo_group_and_passes_settings(probe: Path):
     out = probe.parent / "out"
     result = run_cli(
         "launch", "--num-processes", "2", "--cpu", "--mixed_precision", "bf16",
-        str(probe), str(out), "--extra",
+        "--dynamo_backend", "eager", str(probe), str(out), "--extra",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     found = reports(out)
     assert_one_group(found)
     assert all(r["type"] == "MULTI_CPU" and r["precision"] == "bf16" for r in found)
+    assert all(r["dynamo"] == "eager" for r in found)
     assert all(r["device"] == "cpu" and r["main"] == "__main__" for r in found)
     assert found[0]["argv"] == [str(out), "--extra"]
     assert "terminate called" not in result.stderr

@@ -1,0 +1,72 @@
+"""torch.compile of prepared models: backends, unwrapping and clear failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+from slipstream import Accelerator, CompileError, TorchDynamoPlugin
+from tests.distributed import run_distributed
+
+
+def test_compiled_model_trains_and_unwraps_to_the_original():
+    acc = Accelerator(dynamo_backend="aot_eager")
+    original = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(original.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(original, optimizer)
+    assert type(model).__name__ == "OptimizedModule"
+    before = original.weight.detach().clone()
+    acc.backward(model(torch.ones(2, 3)).sum())
+    optimizer.step()
+    assert not torch.equal(before, original.weight)
+    assert acc.unwrap_model(model) is original
+
+
+@torch._dynamo.register_backend
+def always_fails(graph_module, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_compile_failure_names_the_backend():
+    acc = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="always_fails"))
+    model = acc.prepare(nn.Linear(3, 1))
+    with pytest.raises(CompileError, match="dynamo_backend='always_fails' failed"):
+        model(torch.ones(2, 3))
+
+
+def test_unknown_backend_is_rejected_at_construction():
+    with pytest.raises(ValueError, match="unknown dynamo_backend 'inductr'"):
+        Accelerator(dynamo_backend="inductr")
+    assert Accelerator(dynamo_backend="NO").dynamo_plugin.backend == "no"
+
+
+def _compiled_ddp() -> dict:
+    acc = Accelerator(dynamo_backend="eager")
+    model = acc.prepare(nn.Linear(3, 1))
+    with acc.no_sync(model):
+        acc.backward(model(torch.ones(2, 3) * (acc.process_index + 1)).sum())
+    local = model._orig_mod.module.weight.grad.clone()
+    return {"inner": type(acc.unwrap_model(model)).__name__, "local": local.tolist()}
+
+
+def test_compiled_ddp_model_still_honours_no_sync():
+    r0, r1 = run_distributed(_compiled_ddp)
+    assert r0["inner"] == "Linear"
+    assert r0["local"] != r1["local"], "gradients were not averaged inside no_sync"
+
+
+def test_inductor_backend_trains_on_cpu():
+    acc = Accelerator(dynamo_backend="inductor")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    x = torch.randn(16, 4)
+    first = model(x).pow(2).mean()
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean()
+        acc.backward(loss)
+        optimizer.step()
+    assert loss.item() < first.item()
