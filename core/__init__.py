@@ -25,6 +25,7 @@ from .kwargs import (
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProjectConfiguration,
     TorchDynamoPlugin,
 )
 from .random import set_seed
@@ -45,6 +46,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "PrepareError",
     "ProcessState",
+    "ProjectConfiguration",
     "TorchDynamoPlugin",
     "__version__",
     "broadcast",

@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import collectives
+from .checkpoint import Checkpointer, TrainingObjects, load_weights, save_weights
+from .checkpoint.manager import LoadHook, SaveHook
 from .compile import check_backend, compile_model, normalise_backend
 from .data import ActiveLoaders, PreparedDataLoader, prepare_data_loader, skip_first_batches
 from .kwargs import (
@@ -38,6 +40,7 @@ from .kwargs import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ProjectConfiguration,
     TorchDynamoPlugin,
 )
 from .optimizer import AcceleratedOptimizer
@@ -71,6 +74,21 @@ class PrepareError(TypeError):
     """``prepare()`` got objects it cannot prepare together."""
 
 
+class _HookHandle:
+    """Returned by the ``register_*_hook`` methods; ``remove()`` unregisters the hook."""
+
+    _next_id = 0
+
+    def __init__(self, hooks: dict[int, Any], hook: Any) -> None:
+        _HookHandle._next_id += 1
+        self.id = _HookHandle._next_id
+        self.hooks = hooks
+        hooks[self.id] = hook
+
+    def remove(self) -> None:
+        self.hooks.pop(self.id, None)
+
+
 def _is_scheduler(obj: Any) -> bool:
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
         return True
@@ -97,6 +115,8 @@ class Accelerator:
         debug: check every collective for matching calls on all ranks.
         dynamo_backend: compile prepared models with ``torch.compile`` and this backend.
         dynamo_plugin: a :class:`TorchDynamoPlugin` with all ``torch.compile`` settings.
+        project_dir: where checkpoints (and logs) of this run go.
+        project_config: a :class:`ProjectConfiguration` (automatic checkpoint naming, rotation).
     """
 
     def __init__(
@@ -113,6 +133,8 @@ class Accelerator:
         debug: bool | None = None,
         dynamo_backend: str | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
+        project_dir: str | None = None,
+        project_config: ProjectConfiguration | None = None,
     ) -> None:
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
@@ -157,6 +179,13 @@ class Accelerator:
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
+        self.project_configuration = project_config or ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.set_directories(project_dir)
+        self.checkpointer = Checkpointer(self.state, self.strategy, self.project_configuration)
+        self._custom_objects: list[Any] = []
+        self._save_hooks: dict[int, SaveHook] = {}
+        self._load_hooks: dict[int, LoadHook] = {}
 
     @staticmethod
     def _join_or_build_state(
@@ -495,6 +524,116 @@ class Accelerator:
     def get_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full state dict of a prepared model (collective for sharded strategies)."""
         return self.strategy.model_state_dict(model)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatically named checkpoint gets."""
+        return self.project_configuration.iteration
+
+    def _training_objects(self) -> TrainingObjects:
+        return TrainingObjects(
+            models=[getattr(m, "_orig_mod", m) for m in self._models],
+            optimizers=[opt.optimizer for opt in self._optimizers],
+            schedulers=self._schedulers,
+            dataloaders=self._dataloaders,
+            scaler=self.scaler,
+            step_state=self.step_state,
+            custom=self._custom_objects,
+            save_hooks=list(self._save_hooks.values()),
+            load_hooks=list(self._load_hooks.values()),
+            strategy_name=self.strategy.name,
+            mixed_precision=self.mixed_precision,
+        )
+
+    def save_state(self, output_dir: str | None = None, **_: Any) -> str:
+        """Save everything needed to resume training exactly; returns where it went.
+
+        ``output_dir`` is a local path or any fsspec URL (``s3://``, ``memory://``...); with
+        automatic checkpoint naming it may be omitted. The checkpoint appears only once every
+        process has written its part. Must be called on every process.
+        """
+        return self.checkpointer.save(output_dir, self._training_objects())
+
+    def load_state(self, input_dir: str | None = None, **_: Any) -> str:
+        """Restore what :meth:`save_state` saved (the latest automatic checkpoint when
+        ``input_dir`` is omitted); the next batch of each prepared dataloader is the one that
+        followed the save. Returns the checkpoint's location."""
+        return self.checkpointer.load(input_dir, self._training_objects())
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include ``objects`` (anything with ``state_dict``/``load_state_dict``) in
+        :meth:`save_state` and :meth:`load_state`, in registration order."""
+        invalid = [
+            f"argument {i} ({type(o).__name__})"
+            for i, o in enumerate(objects)
+            if not (
+                callable(getattr(o, "state_dict", None))
+                and callable(getattr(o, "load_state_dict", None))
+            )
+        ]
+        if invalid:
+            raise TypeError(
+                "register_for_checkpointing needs objects with state_dict() and "
+                f"load_state_dict(); not: {', '.join(invalid)}"
+            )
+        self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: SaveHook) -> _HookHandle:
+        """Call ``hook(models, weights, output_dir)`` before saving; removing entries from
+        ``models``/``weights`` leaves those models for the hook to save its own way."""
+        return _HookHandle(self._save_hooks, hook)
+
+    def register_load_state_pre_hook(self, hook: LoadHook) -> _HookHandle:
+        """Call ``hook(models, input_dir)`` before loading; removing entries from ``models``
+        leaves those models for the hook to load its own way."""
+        return _HookHandle(self._load_hooks, hook)
+
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory: str,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Write the model's full weights as safetensors (sharded with an index when larger
+        than ``max_shard_size``; ``dtype=torch.bfloat16`` for 16-bit weights) from the main
+        process. Must be called on every process (sharded strategies gather first)."""
+        state_dict = self.get_state_dict(model)
+        self.checkpointer._on_main(
+            lambda: save_weights(
+                state_dict,
+                save_directory,
+                max_shard_size=max_shard_size,
+                safe_serialization=safe_serialization,
+                dtype=dtype,
+            )
+        )
+
+    def load_model(self, model: nn.Module, load_directory: str, strict: bool = True) -> None:
+        """Load weights written by :meth:`save_model` (or Hugging Face) into ``model``."""
+        target = self.unwrap_model(model)
+        target.load_state_dict(load_weights(load_directory), strict=strict)
+
+    def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:
+        """Save ``obj`` once, from the main process (``torch.save``, or safetensors for a
+        dict of tensors with ``safe_serialization=True``)."""
+        from .checkpoint.serialization import save_object, save_tensors
+        from .checkpoint.storage import Storage
+
+        def write() -> None:
+            storage = Storage.for_url(f)
+            if safe_serialization:
+                save_tensors(storage, storage.root, obj)
+            else:
+                save_object(storage, storage.root, obj)
+
+        self.checkpointer._on_main(write)
 
     # -- collectives --------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:

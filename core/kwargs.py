@@ -99,3 +99,31 @@ class TorchDynamoPlugin:
     fullgraph: bool = False
     dynamic: bool | None = None
     options: dict[str, Any] | None = None
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where a run keeps its checkpoints and logs.
+
+    With ``automatic_checkpoint_naming``, ``save_state()`` writes
+    ``{project_dir}/checkpoints/checkpoint_{N}`` (N counting up, also across restarts) and
+    keeps the newest ``total_limit`` of them; ``load_state()`` loads the newest complete one.
+    """
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def __post_init__(self) -> None:
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+        if self.total_limit is not None and self.total_limit < 1:
+            raise ValueError(f"total_limit must be >= 1 (or None), got {self.total_limit}")
+
+    def set_directories(self, project_dir: str | None = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir

@@ -15,6 +15,7 @@ from .kwargs import (
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProjectConfiguration,
     TorchDynamoPlugin,
 )
 from .random import set_seed
@@ -28,6 +29,7 @@ __all__ = [
     "DistributedType",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
+    "ProjectConfiguration",
     "TorchDynamoPlugin",
     "broadcast",
     "broadcast_object_list",

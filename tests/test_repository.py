@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.distributed import REPO
 
 
@@ -23,3 +25,22 @@ def test_quick_start_has_exactly_two_commands():
 def test_ci_runs_the_readme_test_command_verbatim():
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert quick_start_commands()[1] in ci
+
+
+def test_every_source_package_is_listed_for_the_wheel():
+    tomllib = pytest.importorskip("tomllib")
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        "slipstream." + ".".join(p.parent.relative_to(REPO / "core").parts)
+        for p in (REPO / "core").rglob("__init__.py")
+    }
+    found = {name.rstrip(".") for name in found}
+    found |= {
+        "slipstream.integrations"
+        + "".join("." + part for part in p.parent.relative_to(REPO / "integrations").parts)
+        for p in (REPO / "integrations").rglob("__init__.py")
+    }
+    assert found <= listed, f"add to pyproject.toml packages: {sorted(found - listed)}"

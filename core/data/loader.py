@@ -119,6 +119,9 @@ class PreparedDataLoader(DataLoader[Any]):
         self.batches_yielded = 0
         self._epoch = 0
         self._iterable_skip = 0
+        #: Shuffle generators' states at the start of the current pass (for exact resume).
+        self._pass_generator_states: list[torch.Tensor | None] = []
+        self._generators_to_restore: list[torch.Tensor | None] | None = None
 
     # -- epochs and shuffling -----------------------------------------------------------
     @property
@@ -139,24 +142,32 @@ class PreparedDataLoader(DataLoader[Any]):
             objects += [self.batch_sampler, getattr(self.batch_sampler, "sampler", None)]
         return [o for o in objects if o is not None and callable(getattr(o, "set_epoch", None))]
 
+    def _generators(self) -> list[torch.Generator | None]:
+        """The shuffle generators of the samplers underneath, in a fixed order."""
+        owners = [getattr(self.shard, "sampler", None), getattr(self.shard, "batch_sampler", None)]
+        found = [getattr(owner, "generator", None) for owner in owners]
+        return [g if isinstance(g, torch.Generator) else None for g in found]
+
     def _start_pass(self) -> None:
         for obj in self._epoch_aware():
             obj.set_epoch(self._epoch)
+        generators = self._generators()
+        if self._generators_to_restore is not None:
+            for generator, saved in zip(generators, self._generators_to_restore, strict=False):
+                if generator is not None and saved is not None:
+                    generator.set_state(saved)
+            self._generators_to_restore = None
         if self.state.num_processes > 1:
-            self._synchronise_generators()
+            self._synchronise_generators(generators)
+        self._pass_generator_states = [g.get_state() if g is not None else None for g in generators]
 
-    def _synchronise_generators(self) -> None:
+    def _synchronise_generators(self, generators: list[torch.Generator | None]) -> None:
         # A custom sampler that draws from its own torch.Generator shuffles identically on
         # every rank once the generators agree; rank 0's state is the reference.
         from ..collectives import broadcast
 
-        samplers = [
-            getattr(self.shard, "sampler", None),
-            getattr(self.shard, "batch_sampler", None),
-        ]
-        for sampler in samplers:
-            generator = getattr(sampler, "generator", None)
-            if isinstance(generator, torch.Generator):
+        for generator in generators:
+            if generator is not None:
                 rng_state = generator.get_state().to(self.state.device)
                 broadcast(rng_state, from_process=0, state=self.state)
                 generator.set_state(rng_state.cpu())
@@ -217,13 +228,26 @@ class PreparedDataLoader(DataLoader[Any]):
         else:
             self._iterable_skip = num_batches
 
+    def _pass_length(self) -> int | None:
+        """Batches in a whole pass when known exactly (torch's BatchSampler underneath)."""
+        if (
+            isinstance(self.shard, ShardedBatchSampler)
+            and type(self.shard.batch_sampler) is BatchSampler
+        ):
+            return self.shard.epoch_length()
+        return None
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._start_pass()
-        pending_skip = 0
-        if isinstance(self.shard, ShardedBatchSampler):
-            pending_skip = self.shard.skip_batches
+        pending_skip = self.shard.skip_batches if isinstance(self.shard, ShardedBatchSampler) else 0
         iterable_skip, self._iterable_skip = self._iterable_skip, 0
+        # Starting an iterator draws a worker seed from torch's RNG. When resuming mid-epoch
+        # that draw already happened before the checkpoint, so undo it to stay bitwise exact.
+        resumed_rng = torch.get_rng_state() if pending_skip or iterable_skip else None
         batches = super().__iter__()
+        if resumed_rng is not None:
+            torch.set_rng_state(resumed_rng)
+        length = self._pass_length()
         self.batches_yielded = pending_skip
         self.end_of_dataloader = False
         self.active_loaders.push(self)
@@ -232,19 +256,30 @@ class PreparedDataLoader(DataLoader[Any]):
                 if next(batches, _EXHAUSTED) is _EXHAUSTED:
                     break
                 self.batches_yielded += 1
-            current = next(batches, _EXHAUSTED)
-            while current is not _EXHAUSTED:
-                upcoming = next(batches, _EXHAUSTED)
-                self.end_of_dataloader = upcoming is _EXHAUSTED
-                if self.device is not None:
-                    current = send_to_device(current, self.device, self.non_blocking)
-                self.batches_yielded += 1
-                yield current
-                current = upcoming
+            if length is not None:
+                # The position says which batch is last: no look-ahead, so batches are
+                # loaded exactly when plain PyTorch would load them.
+                for batch in batches:
+                    self.batches_yielded += 1
+                    self.end_of_dataloader = self.batches_yielded >= length
+                    yield self._place(batch)
+            else:
+                current = next(batches, _EXHAUSTED)
+                while current is not _EXHAUSTED:
+                    upcoming = next(batches, _EXHAUSTED)
+                    self.end_of_dataloader = upcoming is _EXHAUSTED
+                    self.batches_yielded += 1
+                    yield self._place(current)
+                    current = upcoming
             self._epoch += 1
             self.batches_yielded = 0
         finally:
             self.active_loaders.pop(self)
+
+    def _place(self, batch: Any) -> Any:
+        if self.device is None:
+            return batch
+        return send_to_device(batch, self.device, self.non_blocking)
 
     def __len__(self) -> int:
         length = super().__len__()
@@ -254,12 +289,18 @@ class PreparedDataLoader(DataLoader[Any]):
 
     # -- position for checkpoints -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, batches yielded in it and the shuffle seed: enough to resume exactly."""
+        """Epoch, batches yielded in it and the shuffle state: enough to resume exactly."""
         sampler = getattr(self.shard, "sampler", None)
         return {
             "epoch": self._epoch,
             "batches_yielded": self.batches_yielded,
             "sampler": sampler.state_dict() if isinstance(sampler, SeedableRandomSampler) else None,
+            "generators": [
+                state.tolist() if state is not None else None
+                for state in self._pass_generator_states
+            ],
+            "num_processes": self.state.num_processes,
+            "split_batches": bool(getattr(self.shard, "split_batches", False)),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -268,7 +309,29 @@ class PreparedDataLoader(DataLoader[Any]):
         sampler = getattr(self.shard, "sampler", None)
         if state.get("sampler") and isinstance(sampler, SeedableRandomSampler):
             sampler.load_state_dict(state["sampler"])
-        self.skip_next_pass(int(state["batches_yielded"]))
+        if state.get("generators") and state["batches_yielded"]:
+            # Mid-epoch: this pass's shuffle must be drawn from its starting state again.
+            self._generators_to_restore = [
+                torch.tensor(saved, dtype=torch.uint8) if saved is not None else None
+                for saved in state["generators"]
+            ]
+        self.skip_next_pass(self.resume_position(state))
+
+    def resume_position(self, state: dict[str, Any]) -> int:
+        """Batches to skip, translated when the checkpoint came from another world size."""
+        done = int(state["batches_yielded"])
+        saved_world = int(state.get("num_processes", self.state.num_processes))
+        if done == 0 or saved_world == self.state.num_processes or state.get("split_batches"):
+            return done
+        samples = done * saved_world
+        if samples % self.state.num_processes:
+            raise ValueError(
+                f"this dataloader stopped mid-epoch after {done} batches on each of {saved_world} "
+                f"processes; that position has no equivalent on {self.state.num_processes} "
+                f"processes. Resume with {saved_world} processes, or from a checkpoint saved at "
+                "an epoch boundary"
+            )
+        return samples // self.state.num_processes
 
 
 _EXHAUSTED = object()

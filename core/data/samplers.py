@@ -247,9 +247,10 @@ class ShardedBatchSampler(Sampler[list[Any]]):
     def __len__(self) -> int:
         if not isinstance(self.batch_sampler, Sized):
             raise TypeError("the wrapped batch sampler has no length")
-        return max(0, self._epoch_length() - self.skip_batches)
+        return max(0, self.epoch_length() - self.skip_batches)
 
-    def _epoch_length(self) -> int:
+    def epoch_length(self) -> int:
+        """Batches this rank takes in a whole pass (ignoring a pending skip)."""
         batches = len(self.batch_sampler)  # type: ignore[arg-type]
         parts, rank = self.num_processes, self.process_index
         if self.split_batches:

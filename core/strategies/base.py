@@ -8,13 +8,21 @@ reads the environment itself.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..state import DistributedType, ProcessState
+
+if TYPE_CHECKING:
+    from ..checkpoint.io import CheckpointReader, CheckpointWriter
+
+
+def indexed_name(stem: str, index: int, suffix: str) -> str:
+    """Accelerate's file names: ``model.safetensors``, ``model_1.safetensors``, ..."""
+    return f"{stem}{'' if index == 0 else f'_{index}'}{suffix}"
 
 
 class Strategy:
@@ -75,5 +83,71 @@ class Strategy:
         """The full (unsharded) state dict of ``model``; collective for sharded strategies."""
         return self.unwrap_model(model).state_dict()
 
+    # -- checkpoints ----------------------------------------------------------------------
+    # Loading is split in two: ``load_*`` reads and validates and returns a function that
+    # applies the state, so nothing changes until every part has been read successfully.
+    def save_model_checkpoint(
+        self, model: nn.Module, state_dict: dict[str, Any], writer: CheckpointWriter, index: int
+    ) -> None:
+        """Replicated weights: the main process writes ``model[_i].safetensors``."""
+        if self.state.is_main_process:
+            writer.save_tensors(indexed_name("model", index, ".safetensors"), state_dict)
+
+    def load_model_checkpoint(
+        self, model: nn.Module, reader: CheckpointReader, index: int
+    ) -> Callable[[], None]:
+        name = indexed_name("model", index, ".safetensors")
+        tensors = reader.load_tensors(name, f"weights of model {index}")
+        target = self.unwrap_model(model)
+        check_matching_weights(target, tensors, reader.storage.url(reader.path(name)))
+        return lambda: _load_weights(target, tensors)
+
+    def save_optimizer_checkpoint(
+        self, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int
+    ) -> None:
+        if self.state.is_main_process:
+            writer.save_object(indexed_name("optimizer", index, ".bin"), optimizer.state_dict())
+
+    def load_optimizer_checkpoint(
+        self, optimizer: torch.optim.Optimizer, reader: CheckpointReader, index: int
+    ) -> Callable[[], None]:
+        name = indexed_name("optimizer", index, ".bin")
+        saved = reader.load_object(name, f"state of optimizer {index}")
+        groups, expected = len(saved.get("param_groups", [])), len(optimizer.param_groups)
+        if groups != expected:
+            raise ValueError(
+                f"{reader.storage.url(reader.path(name))} has {groups} parameter group(s) but "
+                f"optimizer {index} has {expected}; prepare the optimizers in the same order "
+                "as when saving"
+            )
+        return lambda: optimizer.load_state_dict(saved)
+
     def teardown(self) -> None:
         """Release what the strategy holds (engines, hooks)."""
+
+
+def check_matching_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Raise before loading when names or shapes differ, naming what differs."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [
+        f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in tensors and tuple(tensors[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}")
+        if wrong:
+            parts.append(f"different shapes {wrong[:5]}")
+        raise ValueError(
+            f"the weights in {where} do not fit {type(model).__name__}: {'; '.join(parts)}"
+        )
+
+
+def _load_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    model.load_state_dict(tensors, strict=True)
