@@ -43,7 +43,7 @@ from .kwargs import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from .optimizer import AcceleratedOptimizer
+from .optimizer import AcceleratedOptimizer, StepCoordinator
 from .precision import Precision, make_precision, restore_forward
 from .scheduler import AcceleratedScheduler
 from .splitting import split_between_processes as _split
@@ -55,7 +55,7 @@ from .state import (
     set_current_state,
 )
 from .step import StepState
-from .strategies import Strategy, get_strategy_class
+from .strategies import Strategy, available_strategies, get_strategy_class
 from .tree import map_tensors, tensor_leaves
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -172,6 +172,7 @@ class Accelerator:
         )
         self.mixed_precision = self.precision.mode
         self.dynamo_plugin = self._dynamo_plugin(dynamo_backend, dynamo_plugin, launch)
+        self.coordinator = StepCoordinator(self.step_state, self.precision.scaler)
 
         self.strategy = self._build_strategy(launch, handlers)
         self.active_loaders = ActiveLoaders()
@@ -199,7 +200,11 @@ class Accelerator:
                     state.debug = debug
                 return state
         state = ProcessState.from_environment(
-            cpu=cpu, backend=init_kwargs.backend, timeout=init_kwargs.timeout, debug=debug
+            cpu=cpu,
+            backend=init_kwargs.backend,
+            timeout=init_kwargs.timeout,
+            init_method=init_kwargs.init_method,
+            debug=debug,
         )
         set_current_state(state)
         return state
@@ -231,6 +236,11 @@ class Accelerator:
         if name == "ddp":
             ddp = handlers.get(DistributedDataParallelKwargs)
             options = ddp.to_kwargs() if ddp is not None else {}
+        if name not in available_strategies():
+            raise ValueError(
+                f"distributed_type={launch.get('distributed_type')} needs the '{name}' strategy, "
+                "which this version of slipstream does not provide yet"
+            )
         return get_strategy_class(name)(self.state, **options)
 
     # -- who am I ---------------------------------------------------------------------------
@@ -337,7 +347,7 @@ class Accelerator:
                 results[slot] = model
                 self._models.append(model)
             for slot, optimizer in zip(optimizer_slots, optimizers, strict=True):
-                prepared = AcceleratedOptimizer(optimizer, self.step_state, scaler=self.scaler)
+                prepared = AcceleratedOptimizer(optimizer, self.coordinator)
                 results[slot] = prepared
                 self._optimizers.append(prepared)
 
@@ -436,6 +446,7 @@ class Accelerator:
         N accumulated micro-batches give the update of one N-times larger batch (also for a
         shorter final cycle of an epoch).
         """
+        self.coordinator.finish()  # a step left open by optimizers that did not all step
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.step_state.loss_divisor
         self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
@@ -557,6 +568,7 @@ class Accelerator:
         automatic checkpoint naming it may be omitted. The checkpoint appears only once every
         process has written its part. Must be called on every process.
         """
+        self.coordinator.finish()
         return self.checkpointer.save(output_dir, self._training_objects())
 
     def load_state(self, input_dir: str | None = None, **_: Any) -> str:
@@ -749,6 +761,8 @@ class Accelerator:
         """
         self._models.clear()
         self._optimizers.clear()
+        self.coordinator.optimizers.clear()
+        self.coordinator.pending.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
         self.strategy.teardown()

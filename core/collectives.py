@@ -12,6 +12,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from .debug import verify_collective
 from .state import ProcessState, current_state
-from .tree import map_tensors, replace_tensors, tensor_leaves
+from .tree import map_structure, map_tensors, replace_tensors, tensor_leaves
 
 __all__ = [
     "broadcast",
@@ -49,12 +51,32 @@ def _gather_tensor(tensor: torch.Tensor, world: int) -> torch.Tensor:
     return output
 
 
+def _only_tensors(data: Any, operation: str) -> None:
+    """Reject non-tensor leaves: they cannot be gathered and would silently stay local."""
+
+    def check(value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{operation} gathers tensors, but the data holds a {type(value).__name__} "
+                f"({value!r:.40}); gather other values with gather_object (or "
+                "gather_for_metrics(..., use_gather_object=True))"
+            )
+
+    def is_leaf(value: Any) -> bool:
+        if isinstance(value, (list, tuple, Mapping)):
+            return False
+        return not (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+    map_structure(check, data, is_leaf)
+
+
 def gather(data: Any, *, state: ProcessState | None = None) -> Any:
     """Concatenate every process's tensors along dim 0 (scalars become shape ``(P,)``).
 
     All processes must pass the same structure with equal shapes; use
     :func:`pad_across_processes` first when lengths differ.
     """
+    _only_tensors(data, "gather")
     state = _state(state)
     if state.num_processes == 1:
         return map_tensors(lambda t: t.reshape(1) if t.ndim == 0 else t, data)
@@ -64,6 +86,7 @@ def gather(data: Any, *, state: ProcessState | None = None) -> Any:
 
 def gather_uneven(data: Any, *, state: ProcessState | None = None) -> Any:
     """Like :func:`gather` but each process may contribute a different length along dim 0."""
+    _only_tensors(data, "gather")
     state = _state(state)
     if state.num_processes == 1:
         return gather(data, state=state)
@@ -78,6 +101,9 @@ def gather_uneven(data: Any, *, state: ProcessState | None = None) -> Any:
     for i, tensor in enumerate(tensors):
         per_rank = all_lengths[:, i].tolist()
         longest = max(per_rank)
+        if longest == 0:
+            gathered.append(tensor)
+            continue
         padded = _pad_dim(tensor, 0, longest, 0, pad_first=False)
         everyone = _gather_tensor(padded, state.num_processes).split(longest)
         gathered.append(torch.cat([part[:n] for part, n in zip(everyone, per_rank, strict=True)]))
@@ -161,7 +187,8 @@ def reduce(
 ) -> Any:
     """Sum (``"sum"``) or average (``"mean"``) tensors over processes, then multiply by ``scale``.
 
-    Returns new tensors; the inputs are left unchanged.
+    Returns new tensors; the inputs are left unchanged. Averaging integer tensors gives
+    floating-point results; boolean tensors are rejected (use an integer dtype to count).
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
@@ -170,6 +197,8 @@ def reduce(
     verify_collective(state, "reduce", data, reduction=reduction)
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype == torch.bool:
+            raise TypeError("reduce() of a bool tensor is ambiguous; convert it to int first")
         result = tensor.clone()
         if world > 1:
             dist.all_reduce(result, op=dist.ReduceOp.SUM)

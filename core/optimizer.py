@@ -24,20 +24,19 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         optimizer.optimizer              # the original optimizer
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        step_state: StepState,
-        *,
-        scaler: Any = None,
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, coordinator: StepCoordinator) -> None:
         # Deliberately no super().__init__: all state lives in the wrapped optimizer.
         self.optimizer = optimizer
-        self.step_state = step_state
-        self.scaler = scaler
+        self.coordinator = coordinator
+        self.step_state = coordinator.step_state
         #: True when the last sync-step was skipped (fp16 overflow).
         self.step_was_skipped = False
         self._unscaled = False
+        coordinator.register(self)
+
+    @property
+    def scaler(self) -> Any:
+        return self.coordinator.scaler
 
     # -- forwarded state ----------------------------------------------------------------
     @property
@@ -96,18 +95,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if not self.step_state.sync_gradients:
             return None
-        self._unscaled = False
-        if self.scaler is not None:
-            scale_before = self.scaler.get_scale()
-            result = self.scaler.step(self.optimizer, closure)
-            self.scaler.update()
-            self.step_was_skipped = self.scaler.get_scale() < scale_before
-        else:
-            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-            self.step_was_skipped = False
-        if not self.step_was_skipped:
-            self.step_state.optimizer_steps += 1
-        return result
+        return self.coordinator.step(self, closure)
 
     def train(self) -> None:
         """Forward ``train()`` for schedule-free optimizers that define it."""
@@ -117,3 +105,51 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def eval(self) -> None:
         if hasattr(self.optimizer, "eval"):
             self.optimizer.eval()
+
+
+class StepCoordinator:
+    """Coordinates the optimizers of one Accelerator within a training step.
+
+    With fp16 the loss scale must be updated once per step, after every optimizer has
+    stepped (updating between two optimizers would unscale the second one's gradients
+    twice). The update happens as soon as every prepared optimizer has stepped, or — when
+    only some step — before the next backward or when one of them steps again.
+    """
+
+    def __init__(self, step_state: StepState, scaler: Any = None) -> None:
+        self.step_state = step_state
+        self.scaler = scaler
+        self.optimizers: list[AcceleratedOptimizer] = []
+        self.pending: list[AcceleratedOptimizer] = []
+
+    def register(self, optimizer: AcceleratedOptimizer) -> None:
+        self.optimizers.append(optimizer)
+
+    def step(self, optimizer: AcceleratedOptimizer, closure: Callable[[], float] | None) -> Any:
+        if any(o is optimizer for o in self.pending):
+            self.finish()  # it steps again: the previous step is over
+        inner = optimizer.optimizer
+        if self.scaler is not None:
+            result = self.scaler.step(inner, closure) if closure else self.scaler.step(inner)
+        else:
+            result = inner.step(closure) if closure is not None else inner.step()
+        self.pending.append(optimizer)
+        if all(any(o is p for p in self.pending) for o in self.optimizers):
+            self.finish()
+        return result
+
+    def finish(self) -> None:
+        """Close the current step: update the loss scale, record skipped and counted steps."""
+        if not self.pending:
+            return
+        skipped = False
+        if self.scaler is not None:
+            before = self.scaler.get_scale()
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before
+        for optimizer in self.pending:
+            optimizer.step_was_skipped = skipped
+            optimizer._unscaled = False
+        if not skipped:
+            self.step_state.optimizer_steps += 1
+        self.pending = []

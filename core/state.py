@@ -91,6 +91,7 @@ class ProcessState:
         cpu: bool | None = None,
         backend: str | None = None,
         timeout: timedelta | None = None,
+        init_method: str | None = None,
         debug: bool | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> ProcessState:
@@ -129,7 +130,9 @@ class ProcessState:
                 "backend": backend,
                 "timeout": timeout or DEFAULT_TIMEOUT,
             }
-            if launch.needs_init_method:
+            if init_method is not None:
+                init_kwargs.update(init_method=init_method, rank=rank, world_size=world)
+            elif launch.needs_init_method:
                 init_kwargs.update(
                     init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                     rank=rank,

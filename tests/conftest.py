@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from slipstream.state import set_current_state
+from tests.distributed import s3_server
 
 
 @pytest.fixture(autouse=True)
@@ -13,3 +15,41 @@ def _fresh_process_state() -> Iterator[None]:
     set_current_state(None)
     yield
     set_current_state(None)
+
+
+@pytest.fixture(scope="session")
+def s3_environment() -> Iterator[dict[str, str]]:
+    """Variables pointing s3:// at a moto server on 127.0.0.1 (started once)."""
+    pytest.importorskip("s3fs")
+    import fsspec.config
+
+    with s3_server() as variables:
+        saved = {k: os.environ.get(k) for k in variables}
+        os.environ.update(variables)
+        # fsspec reads FSSPEC_* variables when imported; this process imported it already.
+        s3_options = fsspec.config.conf.setdefault("s3", {})
+        s3_options["endpoint_url"] = variables["FSSPEC_S3_ENDPOINT_URL"]
+        try:
+            yield variables
+        finally:
+            s3_options.pop("endpoint_url", None)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_environment: dict[str, str], request: pytest.FixtureRequest) -> str:
+    """A fresh bucket; returns its s3:// URL."""
+    import fsspec
+
+    name = (
+        "test-"
+        + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+    )
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    if not fs.exists(name):
+        fs.mkdir(name)
+    return f"s3://{name}"

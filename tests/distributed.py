@@ -160,3 +160,39 @@ def run_python(
         env=variables,
         cwd=cwd or REPO,
     )
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[dict[str, str]]:
+    """A real S3-compatible server (moto) on 127.0.0.1; yields the variables that point
+    boto3/s3fs at it (also for spawned processes)."""
+    import shutil
+    import urllib.request
+
+    executable = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    port = free_port()
+    server = subprocess.Popen(
+        [executable, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.2)
+        yield {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3_ENDPOINT_URL": endpoint,
+        }
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -89,11 +89,13 @@ def is_complete(storage: Storage, folder: str) -> bool:
 
 
 def prepare_target(location: Location) -> None:
-    """Before writing in place (object stores): invalidate and clear an old checkpoint."""
+    """Create the folder the processes write into; in place (object stores), first
+    invalidate and clear an old checkpoint at the path."""
     storage, path = location.storage, location.path
     if not storage.is_local and storage.exists(path):
         storage.remove(storage.join(path, MARKER))
         storage.remove(path)
+    storage.makedirs(location.staging)
 
 
 def publish(location: Location) -> None:

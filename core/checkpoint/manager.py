@@ -158,7 +158,8 @@ class Checkpointer:
         weights = [self.strategy.model_state_dict(m) for m in objects.models]
         models = list(objects.models)
         for hook in objects.save_hooks:
-            hook(models, weights, target)
+            # Hooks write their own files into the folder that becomes the checkpoint.
+            hook(models, weights, storage.url(location.staging))
 
         def write_parts() -> list[str]:
             self._write(writer, objects, models, weights)

@@ -67,14 +67,22 @@ class Storage:
         return os.path.basename(path) if self.is_local else posixpath.basename(path)
 
     # -- queries --------------------------------------------------------------------------
+    def _fresh(self) -> None:
+        # Object-store filesystems cache listings; other processes write concurrently.
+        if not self.is_local:
+            self.fs.invalidate_cache()
+
     def exists(self, path: str) -> bool:
+        self._fresh()
         return bool(self.fs.exists(path))
 
     def isdir(self, path: str) -> bool:
+        self._fresh()
         return bool(self.fs.isdir(path))
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the entries in ``path``; empty when it does not exist."""
+        self._fresh()
         if not self.fs.exists(path):
             return []
         return sorted(self.name(p.rstrip("/")) for p in self.fs.ls(path, detail=False))

@@ -171,7 +171,19 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
             "dynamo_backend": args.dynamo_backend.upper(),
         }
     config, more = config_from_dict(values, where="options")
+    _check_strategy_available(config)
     return config, notes + more
+
+
+def _check_strategy_available(config: LaunchConfig) -> None:
+    from ..strategies import available_strategies
+
+    needed = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(config.distributed_type)
+    if needed is not None and needed not in available_strategies():
+        raise ConfigError(
+            f"distributed_type: {config.distributed_type} is not supported by this version of "
+            f"slipstream yet (available strategies: {', '.join(available_strategies())})"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -181,12 +181,6 @@ class PreparedDataLoader(DataLoader[Any]):
         """
         if not self.end_of_dataloader or self.shard is None:
             return None
-        if isinstance(self.shard, IterableDatasetShard) and self.num_workers > 0:
-            dataset = self.shard.dataset
-            if hasattr(dataset, "__len__"):
-                rest = len(dataset) % self.shard.global_batch_size
-                return rest or None
-            return None
         return self.shard.final_real_samples
 
     @property
@@ -349,7 +343,8 @@ def _agreed_seed(generator: torch.Generator | None, state: ProcessState) -> int:
 
 
 def _seeded_batch_sampler(loader: DataLoader[Any], state: ProcessState) -> Any:
-    """The loader's batch sampler, with a RandomSampler replaced by a seeded one."""
+    """The loader's batch sampler, shuffling alike on every rank: a RandomSampler is
+    replaced by a seeded one, other samplers get a seeded generator."""
     batch_sampler = loader.batch_sampler
     sampler = getattr(batch_sampler, "sampler", None)
     if type(batch_sampler) is BatchSampler and type(sampler) is RandomSampler:
@@ -360,11 +355,15 @@ def _seeded_batch_sampler(loader: DataLoader[Any], state: ProcessState) -> Any:
             num_samples=sampler.num_samples,
         )
         return BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
-    if isinstance(sampler, RandomSampler) and sampler.generator is None:
-        # Inside a custom batch sampler: give the RandomSampler its own generator, seeded the
-        # same everywhere; _synchronise_generators keeps it in step every pass.
-        sampler.generator = torch.Generator()
-        sampler.generator.manual_seed(_agreed_seed(None, state))
+    for owner in (sampler, batch_sampler):
+        if owner is not None and hasattr(owner, "generator") and owner.generator is None:
+            # A sampler that would draw from the global RNG (WeightedRandomSampler,
+            # SubsetRandomSampler, a RandomSampler inside a custom batch sampler, ...) gets
+            # its own generator, seeded alike everywhere; _synchronise_generators keeps it in
+            # step every pass, and checkpoints save its state.
+            generator = torch.Generator()
+            generator.manual_seed(_agreed_seed(None, state))
+            owner.generator = generator
     return batch_sampler
 
 
@@ -401,6 +400,12 @@ def prepare_data_loader(
             raise DataLoaderPreparationError(
                 "cannot shard a DataLoader over an IterableDataset with batch_size=None; "
                 "create the DataLoader with batch_size=N so slipstream can split batches"
+            )
+        if loader.num_workers > 0 and state.num_processes > 1:
+            raise DataLoaderPreparationError(
+                f"cannot shard an IterableDataset read by worker processes (num_workers="
+                f"{loader.num_workers}): each worker would pad and split the stream on its own, "
+                "duplicating samples. Use num_workers=0, or a map-style Dataset with workers"
             )
         shard = IterableDatasetShard(
             dataset,

@@ -189,18 +189,27 @@ class ShardedBatchSampler(Sampler[list[Any]]):
             yield from self._grouped_global_batches()
 
     def _split_global_batches(self) -> Iterator[tuple[list[list[Any]], int | None]]:
+        parts = self.num_processes
         initial: list[Any] = []
-        for batch in self.batch_sampler:
+        target = self.batch_size
+        for batch, is_last in _flag_last(self.batch_sampler):
             batch = list(batch)
-            target = self.batch_size or len(batch)
+            if target is None:
+                # A batch sampler without batch_size: its first batch sets the size.
+                target = len(batch)
+                check_shard_arguments(parts, self.process_index, True, target)
             if len(initial) < target:
                 initial.extend(batch)
             if len(batch) >= target:
-                yield _chunks(batch, self.num_processes), None
-            elif self.even_batches:
-                yield _chunks(_complete(batch, target, initial), self.num_processes), len(batch)
+                yield _chunks(batch, parts), None
+            elif is_last:
+                completed = _complete(batch, target, initial) if self.even_batches else batch
+                yield _chunks(completed, parts), len(batch)
+            elif len(batch) < parts and self.even_batches:
+                # A short batch inside the epoch must still give every rank a sample.
+                yield _chunks(_complete(batch, parts, initial), parts), None
             else:
-                yield _chunks(batch, self.num_processes), len(batch)
+                yield _chunks(batch, parts), None
 
     def _grouped_global_batches(self) -> Iterator[tuple[list[list[Any]], int | None]]:
         parts = self.num_processes

@@ -18,6 +18,7 @@ from slipstream import (
     pad_across_processes,
     reduce,
 )
+from slipstream.collectives import gather_uneven as collectives_gather_uneven
 from tests.distributed import run_distributed
 
 Pair = namedtuple("Pair", "left right")
@@ -27,11 +28,19 @@ def _tensor_collectives() -> dict:
     acc = Accelerator()
     rank = acc.process_index
     out = {}
-    data = {"a": torch.tensor([rank, rank + 10]), "b": [Pair(torch.full((1, 2), float(rank)), "x")]}
+    data = {
+        "a": torch.tensor([rank, rank + 10]),
+        "b": [Pair(torch.full((1, 2), float(rank)), torch.tensor([rank]))],
+    }
     gathered = gather(data)
     out["gather_a"] = gathered["a"].tolist()
     out["gather_b"] = gathered["b"][0].left.tolist()
-    out["gather_b_tag"] = gathered["b"][0].right
+    out["gather_b_tag"] = gathered["b"][0].right.tolist()
+    try:
+        gather({"a": torch.ones(1), "name": "x"})
+    except TypeError as error:
+        out["mixed"] = str(error)
+    out["empty_uneven"] = list(collectives_gather_uneven(torch.zeros(0, 2)).shape)
     out["gather_scalar"] = gather(torch.tensor(rank * 2.0)).tolist()
     out["reduce_sum"] = reduce(torch.tensor([1.0, rank]), "sum").tolist()
     out["reduce_mean"] = reduce(torch.tensor([1.0, rank]), "mean").tolist()
@@ -58,7 +67,9 @@ def test_tensor_and_object_collectives_on_two_processes():
     for result in (r0, r1):
         assert result["gather_a"] == [0, 10, 1, 11]
         assert result["gather_b"] == [[0.0, 0.0], [1.0, 1.0]]
-        assert result["gather_b_tag"] == "x"
+        assert result["gather_b_tag"] == [0, 1]
+        assert "gathers tensors, but the data holds a str" in result["mixed"]
+        assert result["empty_uneven"] == [0, 2]
         assert result["gather_scalar"] == [0.0, 2.0]
         assert result["reduce_sum"] == [2.0, 1.0]
         assert result["reduce_mean"] == [1.0, 0.5]
@@ -82,6 +93,10 @@ def test_single_process_collectives_are_identity_like():
     assert pad_across_processes(t) is t
     with pytest.raises(ValueError, match="reduction must be"):
         reduce(t, "max")
+    with pytest.raises(TypeError, match="bool tensor is ambiguous"):
+        reduce(torch.ones(2, dtype=torch.bool))
+    with pytest.raises(TypeError, match="use_gather_object=True"):
+        gather([torch.ones(1), 3])
 
 
 def _metrics_loop(size: int, batch: int, even: bool, split: bool) -> dict:

@@ -179,15 +179,25 @@ def test_exit_code_of_the_script_is_the_exit_code_of_the_job(tmp_path: Path):
             ["--config_file", "{typo}", "{script}"],
             "unknown key 'num_proceses' (did you mean 'num_processes'?)",
         ),
+        (["--config_file", "{fsdp}", "{script}"], "distributed_type: FSDP is not supported"),
     ],
-    ids=["zero-processes", "missing-script", "no-main-ip", "bad-yaml", "unknown-key"],
+    ids=[
+        "zero-processes",
+        "missing-script",
+        "no-main-ip",
+        "bad-yaml",
+        "unknown-key",
+        "no-strategy",
+    ],
 )
 def test_launch_errors_are_one_clear_line(tmp_path: Path, arguments: list[str], message: str):
     script = tmp_path / "ok.py"
     script.write_text("print('should not run')\n")
     (tmp_path / "bad.yaml").write_text("num_processes: [1\n")
     (tmp_path / "typo.yaml").write_text("num_proceses: 2\n")
-    paths = {"script": script, "bad": tmp_path / "bad.yaml", "typo": tmp_path / "typo.yaml"}
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nnum_processes: 2\n")
+    paths = {name: tmp_path / f"{name}.yaml" for name in ("bad", "typo", "fsdp")}
+    paths["script"] = script
     result = run_cli("launch", *[a.format(**paths) for a in arguments])
     assert result.returncode == 2
     assert message in result.stderr

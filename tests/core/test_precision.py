@@ -173,3 +173,24 @@ def test_fp8_trains_on_a_supporting_gpu():
     assert "Float8Linear" in type(acc.unwrap_model(model)[0]).__name__
     acc.backward(model(torch.randn(32, 32, device=acc.device)).float().pow(2).mean())
     optimizer.step()
+
+
+def test_fp16_with_two_optimizers_unscales_each_once_and_updates_the_scale_once():
+    acc = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=256)])
+    first, second = nn.Linear(3, 1), nn.Linear(3, 1)
+    opt_a = torch.optim.SGD(first.parameters(), lr=0.5)
+    opt_b = torch.optim.SGD(second.parameters(), lr=0.5)
+    first, second, opt_a, opt_b = acc.prepare(first, second, opt_a, opt_b)
+    x = torch.ones(2, 3)
+    loss = first(x).sum() + second(x).sum()
+    acc.backward(loss)
+    acc.clip_grad_norm_(list(first.parameters()) + list(second.parameters()), 1e9)
+    grads = [m.weight.grad.clone() for m in (first, second)]  # unscaled by the clip
+    before = [m.weight.detach().clone() for m in (first, second)]
+    opt_a.step()
+    opt_b.step()
+    for weight, old, grad in zip((first.weight, second.weight), before, grads, strict=True):
+        assert torch.allclose(weight, old - 0.5 * grad), "each optimizer unscaled exactly once"
+    assert grads[0].abs().max() < 10, "gradients are unscaled, not multiplied by 256"
+    assert acc.step == 1 and not acc.optimizer_step_was_skipped
+    assert acc.scaler._get_growth_tracker() == 1, "one loss-scale update per step"

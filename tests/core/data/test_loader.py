@@ -136,6 +136,43 @@ def _custom_sampler():
     }
 
 
+def _library_samplers():
+    from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
+
+    acc = Accelerator()
+    set_seed(0, device_specific=True)  # the global RNGs differ across ranks
+    data = TensorDataset(torch.arange(16))
+    weighted = WeightedRandomSampler(torch.ones(16), 16, replacement=False)
+    subset = SubsetRandomSampler(list(range(16)))
+    return {
+        name: [i for b in acc.prepare(DataLoader(data, 2, sampler=sampler)) for i in b[0].tolist()]
+        for name, sampler in (("weighted", weighted), ("subset", subset))
+    }
+
+
+def test_samplers_drawing_from_the_global_rng_are_seeded_alike():
+    r0, r1 = run_distributed(_library_samplers)
+    for name in ("weighted", "subset"):
+        assert sorted(r0[name] + r1[name]) == list(range(16)), name
+
+
+def _iterable_with_workers():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    acc = Accelerator()
+    try:
+        acc.prepare(DataLoader(Stream(), batch_size=2, num_workers=2))
+    except DataLoaderPreparationError as error:
+        return str(error)
+    return "prepared"
+
+
+def test_iterable_datasets_with_workers_are_refused_on_several_processes():
+    assert all("num_workers=2" in m for m in run_distributed(_iterable_with_workers))
+
+
 def test_user_samplers_shuffle_identically_on_every_rank():
     r0, r1 = run_distributed(_custom_sampler)
     for epoch in range(2):

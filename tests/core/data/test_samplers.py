@@ -213,3 +213,24 @@ def test_iterable_shard_uneven_and_drop_last(n, batch, world):
     dropped = iterable_shards(n, batch, world, drop_last=True)
     kept = (n // (batch * world)) * batch * world
     assert sorted(i for s, _ in dropped for i in s) == list(range(kept))
+
+
+class Unsized:
+    """A batch sampler without batch_size: the first batch sets the split size."""
+
+    def __iter__(self):
+        return iter([[0, 1, 2, 3], [4, 5, 6, 7], [8]])
+
+    def __len__(self) -> int:
+        return 3
+
+
+def test_split_batches_with_a_custom_batch_sampler_keeps_ranks_in_step():
+    per_rank = []
+    for rank in range(2):
+        sampler = ShardedBatchSampler(
+            Unsized(), num_processes=2, process_index=rank, split_batches=True
+        )
+        per_rank.append(list(sampler))
+        assert len(sampler) == 3 and sampler.final_real_samples == 1
+    assert per_rank[0] == [[0, 1], [4, 5], [8, 0]] and per_rank[1] == [[2, 3], [6, 7], [1, 2]]
