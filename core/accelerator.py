@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -29,7 +28,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import collectives
-from .checkpoint import Checkpointer, TrainingObjects, load_weights, save_weights
+from .checkpoint import Checkpointer
+from .checkpoint.api import CheckpointingMixin
 from .checkpoint.manager import LoadHook, SaveHook
 from .compile import check_backend, compile_model, normalise_backend
 from .data import ActiveLoaders, PreparedDataLoader, prepare_data_loader, skip_first_batches
@@ -45,8 +45,8 @@ from .kwargs import (
 )
 from .optimizer import AcceleratedOptimizer, StepCoordinator
 from .precision import Precision, make_precision, restore_forward
+from .process_control import ProcessControl
 from .scheduler import AcceleratedScheduler
-from .splitting import split_between_processes as _split
 from .state import (
     DistributedType,
     ProcessState,
@@ -74,21 +74,6 @@ class PrepareError(TypeError):
     """``prepare()`` got objects it cannot prepare together."""
 
 
-class _HookHandle:
-    """Returned by the ``register_*_hook`` methods; ``remove()`` unregisters the hook."""
-
-    _next_id = 0
-
-    def __init__(self, hooks: dict[int, Any], hook: Any) -> None:
-        _HookHandle._next_id += 1
-        self.id = _HookHandle._next_id
-        self.hooks = hooks
-        hooks[self.id] = hook
-
-    def remove(self) -> None:
-        self.hooks.pop(self.id, None)
-
-
 def _is_scheduler(obj: Any) -> bool:
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
         return True
@@ -97,7 +82,7 @@ def _is_scheduler(obj: Any) -> bool:
     )
 
 
-class Accelerator:
+class Accelerator(ProcessControl, CheckpointingMixin):
     """Runs one training script on a CPU, several processes, GPUs or machines.
 
     Args:
@@ -244,38 +229,6 @@ class Accelerator:
         return get_strategy_class(name)(self.state, **options)
 
     # -- who am I ---------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.state.device
-
-    @property
-    def num_processes(self) -> int:
-        return self.state.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.state.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return self.state.local_process_index
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.state.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.state.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.state.use_distributed
-
     @property
     def distributed_type(self) -> DistributedType:
         return self.strategy.distributed_type
@@ -536,117 +489,6 @@ class Accelerator:
         """The full state dict of a prepared model (collective for sharded strategies)."""
         return self.strategy.model_state_dict(model)
 
-    # -- checkpoints --------------------------------------------------------------------------
-    @property
-    def project_dir(self) -> str | None:
-        return self.project_configuration.project_dir
-
-    @property
-    def save_iteration(self) -> int:
-        """The number the next automatically named checkpoint gets."""
-        return self.project_configuration.iteration
-
-    def _training_objects(self) -> TrainingObjects:
-        return TrainingObjects(
-            models=[getattr(m, "_orig_mod", m) for m in self._models],
-            optimizers=[opt.optimizer for opt in self._optimizers],
-            schedulers=self._schedulers,
-            dataloaders=self._dataloaders,
-            scaler=self.scaler,
-            step_state=self.step_state,
-            custom=self._custom_objects,
-            save_hooks=list(self._save_hooks.values()),
-            load_hooks=list(self._load_hooks.values()),
-            strategy_name=self.strategy.name,
-            mixed_precision=self.mixed_precision,
-        )
-
-    def save_state(self, output_dir: str | None = None, **_: Any) -> str:
-        """Save everything needed to resume training exactly; returns where it went.
-
-        ``output_dir`` is a local path or any fsspec URL (``s3://``, ``memory://``...); with
-        automatic checkpoint naming it may be omitted. The checkpoint appears only once every
-        process has written its part. Must be called on every process.
-        """
-        self.coordinator.finish()
-        return self.checkpointer.save(output_dir, self._training_objects())
-
-    def load_state(self, input_dir: str | None = None, **_: Any) -> str:
-        """Restore what :meth:`save_state` saved (the latest automatic checkpoint when
-        ``input_dir`` is omitted); the next batch of each prepared dataloader is the one that
-        followed the save. Returns the checkpoint's location."""
-        return self.checkpointer.load(input_dir, self._training_objects())
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include ``objects`` (anything with ``state_dict``/``load_state_dict``) in
-        :meth:`save_state` and :meth:`load_state`, in registration order."""
-        invalid = [
-            f"argument {i} ({type(o).__name__})"
-            for i, o in enumerate(objects)
-            if not (
-                callable(getattr(o, "state_dict", None))
-                and callable(getattr(o, "load_state_dict", None))
-            )
-        ]
-        if invalid:
-            raise TypeError(
-                "register_for_checkpointing needs objects with state_dict() and "
-                f"load_state_dict(); not: {', '.join(invalid)}"
-            )
-        self._custom_objects.extend(objects)
-
-    def register_save_state_pre_hook(self, hook: SaveHook) -> _HookHandle:
-        """Call ``hook(models, weights, output_dir)`` before saving; removing entries from
-        ``models``/``weights`` leaves those models for the hook to save its own way."""
-        return _HookHandle(self._save_hooks, hook)
-
-    def register_load_state_pre_hook(self, hook: LoadHook) -> _HookHandle:
-        """Call ``hook(models, input_dir)`` before loading; removing entries from ``models``
-        leaves those models for the hook to load its own way."""
-        return _HookHandle(self._load_hooks, hook)
-
-    def save_model(
-        self,
-        model: nn.Module,
-        save_directory: str,
-        max_shard_size: int | str = "10GB",
-        safe_serialization: bool = True,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """Write the model's full weights as safetensors (sharded with an index when larger
-        than ``max_shard_size``; ``dtype=torch.bfloat16`` for 16-bit weights) from the main
-        process. Must be called on every process (sharded strategies gather first)."""
-        state_dict = self.get_state_dict(model)
-        self.checkpointer._on_main(
-            lambda: save_weights(
-                state_dict,
-                save_directory,
-                max_shard_size=max_shard_size,
-                safe_serialization=safe_serialization,
-                dtype=dtype,
-            )
-        )
-
-    def load_model(self, model: nn.Module, load_directory: str, strict: bool = True) -> None:
-        """Load weights written by :meth:`save_model` (or Hugging Face) into ``model``."""
-        target = self.unwrap_model(model)
-        target.load_state_dict(load_weights(load_directory), strict=strict)
-
-    def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:
-        """Save ``obj`` once, from the main process (``torch.save``, or safetensors for a
-        dict of tensors with ``safe_serialization=True``)."""
-        from .checkpoint.serialization import save_object, save_tensors
-        from .checkpoint.storage import Storage
-
-        def write() -> None:
-            storage = Storage.for_url(f)
-            if safe_serialization:
-                save_tensors(storage, storage.root, obj)
-            else:
-                save_object(storage, storage.root, obj)
-
-        self.checkpointer._on_main(write)
-
     # -- collectives --------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
         """Concatenate tensors from all processes along dim 0 (see :func:`slipstream.gather`)."""
@@ -679,75 +521,6 @@ class Accelerator:
     ) -> Any:
         """Pad tensors along ``dim`` to the largest size on any process."""
         return collectives.pad_across_processes(tensor, dim, pad_index, pad_first, state=self.state)
-
-    def wait_for_everyone(self) -> None:
-        """Block until every process reaches this line."""
-        self.state.wait_for_everyone()
-
-    # -- process control ----------------------------------------------------------------------
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Run the block on the main process first, then on all others (e.g. downloads)."""
-        with self._first(self.is_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        """Like :meth:`main_process_first`, once per machine."""
-        with self._first(self.is_local_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def _first(self, is_first: bool) -> Iterator[None]:
-        if not is_first:
-            self.wait_for_everyone()
-        yield
-        if is_first:
-            self.wait_for_everyone()
-
-    def on_main_process(self, function: F) -> F:
-        """Decorator: run ``function`` on the main process only (others get ``None``)."""
-        return self._only_if(function, lambda: self.is_main_process)
-
-    def on_local_main_process(self, function: F) -> F:
-        """Decorator: run ``function`` on each machine's main process only."""
-        return self._only_if(function, lambda: self.is_local_main_process)
-
-    def on_last_process(self, function: F) -> F:
-        """Decorator: run ``function`` on the last process only."""
-        return self._only_if(function, lambda: self.is_last_process)
-
-    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
-        """Decorator: run ``function`` on process ``process_index`` only.
-
-        Use as ``@accelerator.on_process(process_index=1)``.
-        """
-        if process_index is None:
-            raise TypeError("on_process needs process_index=")
-        if function is None:
-            return functools.partial(self.on_process, process_index=process_index)
-        return self._only_if(function, lambda: self.process_index == process_index)
-
-    @staticmethod
-    def _only_if(function: F, condition: Callable[[], bool]) -> F:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if condition():
-                return function(*args, **kwargs)
-            return None
-
-        return wrapper  # type: ignore[return-value]
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Yield this process's share of ``inputs`` (see :mod:`slipstream.splitting`)."""
-        with _split(inputs, self.process_index, self.num_processes, apply_padding) as part:
-            yield part
 
     def skip_first_batches(self, dataloader: DataLoader[Any], num_batches: int = 0) -> Any:
         """The loader, set to start its next pass after ``num_batches`` batches."""

@@ -117,6 +117,10 @@ def load_tensors(storage: Storage, path: str) -> dict[str, torch.Tensor]:
 
 def save_object(storage: Storage, path: str, obj: Any) -> None:
     """``torch.save`` an object made of tensors, numbers, strings, lists and dicts."""
+    if storage.is_local:
+        storage.makedirs(storage.parent(path))
+        torch.save(obj, path)
+        return
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     storage.write_bytes(path, buffer.getvalue())
@@ -125,6 +129,10 @@ def save_object(storage: Storage, path: str, obj: Any) -> None:
 def load_object(storage: Storage, path: str) -> Any:
     """Load what :func:`save_object` wrote, with ``weights_only=True`` (no code runs)."""
     try:
+        if storage.is_local:
+            # Not memory-mapped: optimizers keep loaded tensors as they are, and a mapping
+            # would tie their state to a checkpoint file that rotation may delete.
+            return torch.load(path, map_location="cpu", weights_only=True)
         return torch.load(storage.readable(path), map_location="cpu", weights_only=True)
     except Exception as error:
         raise ValueError(

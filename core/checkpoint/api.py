@@ -1,0 +1,174 @@
+"""The Accelerator's checkpoint methods: save_state, load_state, save_model, hooks.
+
+Mixed into the Accelerator; the work happens in :class:`~slipstream.checkpoint.Checkpointer`
+and :mod:`slipstream.checkpoint.weights`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kwargs import ProjectConfiguration
+from ..optimizer import AcceleratedOptimizer, StepCoordinator
+from ..scheduler import AcceleratedScheduler
+from ..step import StepState
+from ..strategies import Strategy
+from .manager import Checkpointer, LoadHook, SaveHook, TrainingObjects
+from .weights import load_weights, save_weights
+
+
+class _HookHandle:
+    """Returned by the ``register_*_hook`` methods; ``remove()`` unregisters the hook."""
+
+    _next_id = 0
+
+    def __init__(self, hooks: dict[int, Any], hook: Any) -> None:
+        _HookHandle._next_id += 1
+        self.id = _HookHandle._next_id
+        self.hooks = hooks
+        hooks[self.id] = hook
+
+    def remove(self) -> None:
+        self.hooks.pop(self.id, None)
+
+
+class CheckpointingMixin:
+    """save_state/load_state and model weights for the Accelerator."""
+
+    # Provided by the Accelerator.
+    checkpointer: Checkpointer
+    project_configuration: ProjectConfiguration
+    strategy: Strategy
+    step_state: StepState
+    coordinator: StepCoordinator
+    mixed_precision: str
+    _models: list[nn.Module]
+    _optimizers: list[AcceleratedOptimizer]
+    _schedulers: list[AcceleratedScheduler]
+    _dataloaders: list[Any]
+    _custom_objects: list[Any]
+    _save_hooks: dict[int, SaveHook]
+    _load_hooks: dict[int, LoadHook]
+
+    @property
+    def scaler(self) -> Any:
+        raise NotImplementedError
+
+    def get_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatically named checkpoint gets."""
+        return self.project_configuration.iteration
+
+    def _training_objects(self) -> TrainingObjects:
+        return TrainingObjects(
+            models=[getattr(m, "_orig_mod", m) for m in self._models],
+            optimizers=[opt.optimizer for opt in self._optimizers],
+            schedulers=self._schedulers,
+            dataloaders=self._dataloaders,
+            scaler=self.scaler,
+            step_state=self.step_state,
+            custom=self._custom_objects,
+            save_hooks=list(self._save_hooks.values()),
+            load_hooks=list(self._load_hooks.values()),
+            strategy_name=self.strategy.name,
+            mixed_precision=self.mixed_precision,
+        )
+
+    def save_state(self, output_dir: str | None = None, **_: Any) -> str:
+        """Save everything needed to resume training exactly; returns where it went.
+
+        ``output_dir`` is a local path or any fsspec URL (``s3://``, ``memory://``...); with
+        automatic checkpoint naming it may be omitted. The checkpoint appears only once every
+        process has written its part. Must be called on every process.
+        """
+        self.coordinator.finish()
+        return self.checkpointer.save(output_dir, self._training_objects())
+
+    def load_state(self, input_dir: str | None = None, **_: Any) -> str:
+        """Restore what :meth:`save_state` saved (the latest automatic checkpoint when
+        ``input_dir`` is omitted); the next batch of each prepared dataloader is the one that
+        followed the save. Returns the checkpoint's location."""
+        return self.checkpointer.load(input_dir, self._training_objects())
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include ``objects`` (anything with ``state_dict``/``load_state_dict``) in
+        :meth:`save_state` and :meth:`load_state`, in registration order."""
+        invalid = [
+            f"argument {i} ({type(o).__name__})"
+            for i, o in enumerate(objects)
+            if not (
+                callable(getattr(o, "state_dict", None))
+                and callable(getattr(o, "load_state_dict", None))
+            )
+        ]
+        if invalid:
+            raise TypeError(
+                "register_for_checkpointing needs objects with state_dict() and "
+                f"load_state_dict(); not: {', '.join(invalid)}"
+            )
+        self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: SaveHook) -> _HookHandle:
+        """Call ``hook(models, weights, output_dir)`` before saving; removing entries from
+        ``models``/``weights`` leaves those models for the hook to save its own way."""
+        return _HookHandle(self._save_hooks, hook)
+
+    def register_load_state_pre_hook(self, hook: LoadHook) -> _HookHandle:
+        """Call ``hook(models, input_dir)`` before loading; removing entries from ``models``
+        leaves those models for the hook to load its own way."""
+        return _HookHandle(self._load_hooks, hook)
+
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory: str,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Write the model's full weights as safetensors (sharded with an index when larger
+        than ``max_shard_size``; ``dtype=torch.bfloat16`` for 16-bit weights) from the main
+        process. Must be called on every process (sharded strategies gather first)."""
+        state_dict = self.get_state_dict(model)
+        self.checkpointer._on_main(
+            lambda: save_weights(
+                state_dict,
+                save_directory,
+                max_shard_size=max_shard_size,
+                safe_serialization=safe_serialization,
+                dtype=dtype,
+            )
+        )
+
+    def load_model(self, model: nn.Module, load_directory: str, strict: bool = True) -> None:
+        """Load weights written by :meth:`save_model` (or Hugging Face) into ``model``."""
+        target = self.unwrap_model(model)
+        target.load_state_dict(load_weights(load_directory), strict=strict)
+
+    def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:
+        """Save ``obj`` once, from the main process (``torch.save``, or safetensors for a
+        dict of tensors with ``safe_serialization=True``)."""
+        from .serialization import save_object, save_tensors
+        from .storage import Storage
+
+        def write() -> None:
+            storage = Storage.for_url(f)
+            if safe_serialization:
+                save_tensors(storage, storage.root, obj)
+            else:
+                save_object(storage, storage.root, obj)
+
+        self.checkpointer._on_main(write)

@@ -1,0 +1,16 @@
+"""Every benchmark runs in its quick mode (no timing is asserted here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import REPO, run_python
+
+SCRIPTS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_runs_quickly(script):
+    result = run_python(str(REPO / "benchmarks" / script), "--quick", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "ratio" in result.stdout
