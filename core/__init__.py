@@ -30,6 +30,7 @@ from .kwargs import (
 )
 from .random import set_seed
 from .state import DistributedType, ProcessState
+from .strategies import FullyShardedDataParallelPlugin
 from .tree import send_to_device
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "PrepareError",

@@ -55,7 +55,12 @@ from .state import (
     set_current_state,
 )
 from .step import StepState
-from .strategies import Strategy, available_strategies, get_strategy_class
+from .strategies import (
+    FullyShardedDataParallelPlugin,
+    Strategy,
+    available_strategies,
+    get_strategy_class,
+)
 from .tree import map_tensors, tensor_leaves
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -102,6 +107,8 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         dynamo_plugin: a :class:`TorchDynamoPlugin` with all ``torch.compile`` settings.
         project_dir: where checkpoints (and logs) of this run go.
         project_config: a :class:`ProjectConfiguration` (automatic checkpoint naming, rotation).
+        fsdp_plugin: shard models with FSDP2 using these options (also chosen by
+            ``distributed_type: FSDP`` with an ``fsdp_config`` block in the config file).
     """
 
     def __init__(
@@ -120,6 +127,7 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         dynamo_plugin: TorchDynamoPlugin | None = None,
         project_dir: str | None = None,
         project_config: ProjectConfiguration | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
     ) -> None:
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
@@ -159,7 +167,7 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         self.dynamo_plugin = self._dynamo_plugin(dynamo_backend, dynamo_plugin, launch)
         self.coordinator = StepCoordinator(self.step_state, self.precision.scaler)
 
-        self.strategy = self._build_strategy(launch, handlers)
+        self.strategy = self._build_strategy(launch, handlers, fsdp_plugin, autocast)
         self.active_loaders = ActiveLoaders()
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
@@ -213,14 +221,27 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         return plugin
 
     def _build_strategy(
-        self, launch: dict[str, Any], handlers: dict[type, KwargsHandler]
+        self,
+        launch: dict[str, Any],
+        handlers: dict[type, KwargsHandler],
+        fsdp_plugin: FullyShardedDataParallelPlugin | None,
+        autocast: AutocastKwargs,
     ) -> Strategy:
         requested = _STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
+        if fsdp_plugin is not None:
+            requested = "fsdp"
         name = requested or ("ddp" if self.state.num_processes > 1 else "single")
         options: dict[str, Any] = {}
         if name == "ddp":
             ddp = handlers.get(DistributedDataParallelKwargs)
             options = ddp.to_kwargs() if ddp is not None else {}
+        elif name == "fsdp":
+            options = {
+                "plugin": fsdp_plugin
+                or FullyShardedDataParallelPlugin.from_config(launch.get("fsdp_config") or {}),
+                "mixed_precision": self.mixed_precision,
+                "convert_outputs_to_fp32": autocast.convert_outputs_to_fp32,
+            }
         if name not in available_strategies():
             raise ValueError(
                 f"distributed_type={launch.get('distributed_type')} needs the '{name}' strategy, "

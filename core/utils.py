@@ -20,6 +20,7 @@ from .kwargs import (
 )
 from .random import set_seed
 from .state import DistributedType
+from .strategies import FullyShardedDataParallelPlugin
 from .tree import send_to_device
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "ProjectConfiguration",

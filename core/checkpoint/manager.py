@@ -155,7 +155,7 @@ class Checkpointer:
         self._on_main(lambda: prepare_target(location))
         writer = CheckpointWriter(storage, location.staging, self.state)
 
-        weights = [self.strategy.model_state_dict(m) for m in objects.models]
+        weights = [self.strategy.checkpoint_state_dict(m) for m in objects.models]
         models = list(objects.models)
         for hook in objects.save_hooks:
             # Hooks write their own files into the folder that becomes the checkpoint.

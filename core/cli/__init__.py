@@ -10,8 +10,9 @@ import sys
 
 from ..config import ConfigError
 from . import launch as launch_command
+from . import merge_weights as merge_weights_command
 
-_COMMANDS = [launch_command]
+_COMMANDS = [launch_command, merge_weights_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

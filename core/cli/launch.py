@@ -94,6 +94,11 @@ def register(subparsers: Any) -> None:
         help="check every collective for matching calls on all ranks",
     )
 
+    fsdp = parser.add_argument_group("FSDP (fully sharded data parallel, FSDP2)")
+    _option(fsdp, "use_fsdp", action="store_const", const=True, help="shard models with FSDP2")
+    for key, kind, text in _FSDP_FLAGS:
+        _option(fsdp, key, type=kind, help=text)
+
     fault = parser.add_argument_group("fault tolerance")
     _option(fault, "max_restarts", type=int, help="restart the workers up to N times on failure")
     _option(fault, "monitor_interval", type=float, help="seconds between worker health checks")
@@ -117,6 +122,17 @@ def register(subparsers: Any) -> None:
         "training_script_args", nargs=argparse.REMAINDER, help="arguments for the script"
     )
 
+
+_FSDP_FLAGS: list[tuple[str, Any, str]] = [
+    ("fsdp_version", int, "FSDP version (2)"),
+    ("fsdp_auto_wrap_policy", str, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP"),
+    ("fsdp_transformer_layer_cls_to_wrap", str, "comma-separated layer class names to shard"),
+    ("fsdp_min_num_params", int, "parameters of a module sharded on its own (size-based)"),
+    ("fsdp_reshard_after_forward", str, "true: full shard; false: keep params until backward"),
+    ("fsdp_offload_params", str, "true: keep parameters and optimizer state on the CPU"),
+    ("fsdp_state_dict_type", str, "SHARDED_STATE_DICT or FULL_STATE_DICT for save_state"),
+    ("fsdp_activation_checkpointing", str, "true: recompute the wrapped layers in backward"),
+]
 
 _FLAG_TO_KEY = {
     "num_processes": "num_processes",
@@ -165,6 +181,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
 
         gpu = torch.cuda.is_available() and not values.get("use_cpu")
         values["distributed_type"] = "MULTI_GPU" if gpu else "MULTI_CPU"
+    fsdp = {key: getattr(args, key) for key, _, _ in _FSDP_FLAGS if getattr(args, key) is not None}
+    if args.use_fsdp or fsdp:
+        values["distributed_type"] = "FSDP"
+        values["fsdp_config"] = {**(values.get("fsdp_config") or {}), **fsdp}
     if args.dynamo_backend is not None:
         values["dynamo_config"] = {
             **(values.get("dynamo_config") or {}),
@@ -179,6 +199,15 @@ def _check_strategy_available(config: LaunchConfig) -> None:
     from ..strategies import available_strategies
 
     needed = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(config.distributed_type)
+    if needed == "fsdp":
+        from ..strategies import FullyShardedDataParallelPlugin
+
+        try:
+            FullyShardedDataParallelPlugin.from_config(config.fsdp_config)
+        except ValueError as error:
+            raise ConfigError(
+                str(error) if "fsdp_config" in str(error) else f"fsdp_config: {error}"
+            ) from None
     if needed is not None and needed not in available_strategies():
         raise ConfigError(
             f"distributed_type: {config.distributed_type} is not supported by this version of "

@@ -15,11 +15,13 @@ import importlib
 
 from .base import Strategy
 from .ddp import DDPStrategy
+from .fsdp_plugin import FullyShardedDataParallelPlugin
 from .single import SingleDeviceStrategy
 
 _REGISTRY: dict[str, type[Strategy] | str] = {
     "single": SingleDeviceStrategy,
     "ddp": DDPStrategy,
+    "fsdp": "slipstream.strategies.fsdp:FSDPStrategy",
 }
 
 
@@ -49,6 +51,7 @@ def get_strategy_class(name: str) -> type[Strategy]:
 
 __all__ = [
     "DDPStrategy",
+    "FullyShardedDataParallelPlugin",
     "SingleDeviceStrategy",
     "Strategy",
     "available_strategies",

@@ -83,6 +83,10 @@ class Strategy:
         """The full (unsharded) state dict of ``model``; collective for sharded strategies."""
         return self.unwrap_model(model).state_dict()
 
+    def checkpoint_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """What ``save_state`` writes for ``model`` (sharded strategies may keep shards)."""
+        return self.model_state_dict(model)
+
     # -- checkpoints ----------------------------------------------------------------------
     # Loading is split in two: ``load_*`` reads and validates and returns a function that
     # applies the state, so nothing changes until every part has been read successfully.

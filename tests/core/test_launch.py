@@ -107,6 +107,27 @@ def test_config_file_with_flag_override(probe: Path):
     assert all(r["precision"] == "bf16" for r in found), "the flag beats the file"
 
 
+def test_fsdp_from_flags_and_from_an_accelerate_config(probe: Path):
+    out = probe.parent / "out"
+    result = run_cli(
+        "launch", "-n", "2", "--cpu", "--use_fsdp", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
+        str(probe), str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert [r["type"] for r in reports(out)] == ["FSDP", "FSDP"]
+    config = probe.parent / "fsdp.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: 2\n"
+        "use_cpu: true\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n"
+        "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 1000\n"
+        "  fsdp_offload_params: false\n  fsdp_state_dict_type: FULL_STATE_DICT\n"
+        "  fsdp_use_orig_params: true\n"
+    )
+    result = run_cli("launch", "--config_file", str(config), str(probe), str(out))
+    assert result.returncode == 0, result.stderr
+    assert all(r["type"] == "FSDP" and r["precision"] == "bf16" for r in reports(out))
+
+
 def test_module_mode(probe: Path):
     out = probe.parent / "out"
     (probe.parent / "probe_module.py").write_text(PROBE)
@@ -179,7 +200,7 @@ def test_exit_code_of_the_script_is_the_exit_code_of_the_job(tmp_path: Path):
             ["--config_file", "{typo}", "{script}"],
             "unknown key 'num_proceses' (did you mean 'num_processes'?)",
         ),
-        (["--config_file", "{fsdp}", "{script}"], "distributed_type: FSDP is not supported"),
+        (["--config_file", "{fsdp}", "{script}"], "fsdp_config: unknown key 'fsdp_wrap'"),
     ],
     ids=[
         "zero-processes",
@@ -195,7 +216,9 @@ def test_launch_errors_are_one_clear_line(tmp_path: Path, arguments: list[str], 
     script.write_text("print('should not run')\n")
     (tmp_path / "bad.yaml").write_text("num_processes: [1\n")
     (tmp_path / "typo.yaml").write_text("num_proceses: 2\n")
-    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nnum_processes: 2\n")
+    (tmp_path / "fsdp.yaml").write_text(
+        "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_wrap: 1\n"
+    )
     paths = {name: tmp_path / f"{name}.yaml" for name in ("bad", "typo", "fsdp")}
     paths["script"] = script
     result = run_cli("launch", *[a.format(**paths) for a in arguments])

@@ -1,0 +1,104 @@
+"""``slipstream merge-weights CHECKPOINT OUTPUT_DIR``: consolidate sharded weights.
+
+Turns a sharded checkpoint (torch.distributed.checkpoint, as written by FSDP with
+SHARDED_STATE_DICT — or a ``save_state`` folder holding one) into safetensors in one
+process, without a process group and without the original number of processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "merge-weights",
+        help="merge a sharded checkpoint into safetensors",
+        description=__doc__.splitlines()[0],
+    )
+    parser.set_defaults(run=run)
+    parser.add_argument("checkpoint", help="a save_state folder or a sharded checkpoint folder")
+    parser.add_argument("output_dir", help="where model.safetensors (and shards) go")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="fp32",
+        help="cast floating-point weights (default fp32)",
+    )
+    parser.add_argument(
+        "--max_shard_size",
+        "--max-shard-size",
+        default="10GB",
+        help="split into shards of at most this size (default 10GB)",
+    )
+    parser.add_argument(
+        "--model_index",
+        "--model-index",
+        type=int,
+        default=0,
+        help="which prepared model of a save_state folder (default 0)",
+    )
+    parser.add_argument(
+        "--unsafe_serialization",
+        "--unsafe-serialization",
+        action="store_true",
+        help="write pytorch_model.bin instead of safetensors",
+    )
+
+
+def find_sharded_weights(checkpoint: str, model_index: int = 0) -> str:
+    """The torch.distributed.checkpoint folder holding the weights inside ``checkpoint``."""
+    if not os.path.isdir(checkpoint):
+        raise ConfigError(f"{checkpoint} is not a folder")
+    if os.path.isfile(os.path.join(checkpoint, ".metadata")):
+        return checkpoint
+    candidate = os.path.join(checkpoint, f"pytorch_model_fsdp_{model_index}")
+    if os.path.isfile(os.path.join(candidate, ".metadata")):
+        return candidate
+    present = ", ".join(sorted(os.listdir(checkpoint))) or "nothing"
+    raise ConfigError(
+        f"{checkpoint} holds no sharded weights (expected a .metadata file or "
+        f"pytorch_model_fsdp_{model_index}/); it contains: {present}"
+    )
+
+
+def load_sharded_weights(folder: str) -> dict[str, torch.Tensor]:
+    """All weights of a torch.distributed.checkpoint folder, in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        merged = os.path.join(scratch, "merged.pt")
+        dcp_to_torch_save(folder, merged)
+        state: dict[str, Any] = torch.load(merged, weights_only=True)
+    if set(state) == {"model"}:
+        state = state["model"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import save_weights
+
+    folder = find_sharded_weights(args.checkpoint, args.model_index)
+    state = load_sharded_weights(folder)
+    names = save_weights(
+        state,
+        args.output_dir,
+        max_shard_size=args.max_shard_size,
+        safe_serialization=not args.unsafe_serialization,
+        dtype=_DTYPES[args.dtype],
+    )
+    total = sum(t.numel() for t in state.values())
+    print(
+        f"merged {len(state)} tensors ({total:,} parameters) from {folder} into "
+        f"{args.output_dir}: {', '.join(names)}"
+    )
+    return 0
