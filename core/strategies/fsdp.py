@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
 from torch import nn
 
 from ..state import DistributedType, ProcessState
@@ -46,6 +47,11 @@ class FSDPStrategy(Strategy):
         convert_outputs_to_fp32: bool = True,
     ) -> None:
         super().__init__(state)
+        if not hasattr(torch.distributed.fsdp, "fully_shard"):
+            raise RuntimeError(
+                "FSDP in slipstream is FSDP2 (torch.distributed.fsdp.fully_shard), which this "
+                f"torch {torch.__version__} does not have; install torch>=2.6"
+            )
         self.plugin = plugin or FullyShardedDataParallelPlugin()
         self.mixed_precision = mixed_precision
         self.convert_outputs_to_fp32 = convert_outputs_to_fp32

@@ -181,7 +181,9 @@ def test_merge_weights_errors_on_a_folder_without_shards(tmp_path):
 
 
 def _mixed_precision_and_offload() -> dict:
-    acc = Accelerator(mixed_precision="bf16", fsdp_plugin=_plugin(cpu_offload=True))
+    acc = Accelerator(
+        mixed_precision="bf16", fsdp_plugin=_plugin(cpu_offload=True, reshard_after_forward=False)
+    )
     model = acc.prepare(Net())
     optimizer = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     out = model(torch.randn(4, 6))
@@ -252,3 +254,11 @@ def test_plugin_reads_accelerate_fsdp_config():
         FullyShardedDataParallelPlugin.from_config({"fsdp_ofload_params": True})
     with pytest.raises(ValueError, match="fsdp_version 1 is not supported"):
         FullyShardedDataParallelPlugin(fsdp_version=1)
+
+
+def test_torch_without_fsdp2_is_a_clear_error(monkeypatch):
+    import torch.distributed.fsdp
+
+    monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
+    with pytest.raises(RuntimeError, match=r"install torch>=2\.6"):
+        Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
