@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .debug import verify_collective
+from .debug import collective, verify_collective
 from .state import ProcessState, current_state
 from .tree import map_structure, map_tensors, replace_tensors, tensor_leaves
 
@@ -70,6 +70,7 @@ def _only_tensors(data: Any, operation: str) -> None:
     map_structure(check, data, is_leaf)
 
 
+@collective("gather")
 def gather(data: Any, *, state: ProcessState | None = None) -> Any:
     """Concatenate every process's tensors along dim 0 (scalars become shape ``(P,)``).
 
@@ -84,6 +85,7 @@ def gather(data: Any, *, state: ProcessState | None = None) -> Any:
     return map_tensors(lambda t: _gather_tensor(t, state.num_processes), data)
 
 
+@collective("gather")
 def gather_uneven(data: Any, *, state: ProcessState | None = None) -> Any:
     """Like :func:`gather` but each process may contribute a different length along dim 0."""
     _only_tensors(data, "gather")
@@ -110,6 +112,7 @@ def gather_uneven(data: Any, *, state: ProcessState | None = None) -> Any:
     return replace_tensors(data, gathered)
 
 
+@collective("gather_object")
 def gather_object(obj: Any, *, state: ProcessState | None = None) -> list[Any]:
     """Collect a picklable object from every process.
 
@@ -141,6 +144,7 @@ def _pad_dim(
     return padded
 
 
+@collective("pad_across_processes")
 def pad_across_processes(
     data: Any,
     dim: int = 0,
@@ -178,6 +182,7 @@ def pad_across_processes(
     return replace_tensors(data, padded)
 
 
+@collective("reduce")
 def reduce(
     data: Any,
     reduction: str = "mean",
@@ -209,6 +214,7 @@ def reduce(
     return map_tensors(one, data)
 
 
+@collective("broadcast")
 def broadcast(data: Any, from_process: int = 0, *, state: ProcessState | None = None) -> Any:
     """Overwrite every process's tensors with those of ``from_process`` (in place)."""
     state = _state(state)
@@ -224,6 +230,7 @@ def broadcast(data: Any, from_process: int = 0, *, state: ProcessState | None = 
     return map_tensors(one, data)
 
 
+@collective("broadcast_object_list")
 def broadcast_object_list(
     objects: list[Any], from_process: int = 0, *, state: ProcessState | None = None
 ) -> list[Any]:

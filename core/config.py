@@ -182,6 +182,11 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{where}: main_process_port must be a TCP port (1-65535), got "
             f"{config.main_process_port}"
         )
+    if not config.monitor_interval > 0:
+        raise ConfigError(
+            f"{where}: monitor_interval must be a positive number of seconds, got "
+            f"{config.monitor_interval}"
+        )
     if config.max_restarts < 0:
         raise ConfigError(f"{where}: max_restarts must be >= 0, got {config.max_restarts}")
     if config.gradient_accumulation_steps < 1:

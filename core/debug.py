@@ -1,4 +1,4 @@
-"""Debug mode: check that every rank calls the same collective with compatible data.
+"""Collective safety: matching calls checked in debug mode, clear errors otherwise.
 
 Switched on by ``slipstream launch --debug``, ``SLIPSTREAM_DEBUG=1`` or
 ``Accelerator(debug=True)``. Each collective first exchanges a small description of what
@@ -8,16 +8,76 @@ each rank passed; when they disagree every rank raises the same
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from .state import ProcessState
 from .tree import describe
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "Broken pipe",
+    "failed to recv, got 0 bytes",
+)
+
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks called different collectives, or the same one with incompatible data."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than the process-group timeout for the other ranks."""
+
+
+class PeerProcessFailedError(RuntimeError):
+    """Another process of the job went away while this one waited for it."""
+
+
+@contextlib.contextmanager
+def guarded(operation: str, rank: int) -> Iterator[None]:
+    """Turn torch's low-level timeout / lost-peer errors into ones that say what to do."""
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        if "Timed out" in text or "timed out" in text or "Timeout" in text:
+            raise CollectiveTimeoutError(
+                f"collective '{operation}' on process {rank} timed out waiting for the other "
+                "processes. Usually one process skipped this call or called another collective; "
+                "rerun with `slipstream launch --debug` (or SLIPSTREAM_DEBUG=1) to see which "
+                f"process passed what. ({text.strip()[:200]})"
+            ) from error
+        if any(marker in text for marker in _PEER_GONE):
+            raise PeerProcessFailedError(
+                f"collective '{operation}' on process {rank} lost its peers: another process "
+                f"stopped (look for its traceback). ({text.strip()[:200]})"
+            ) from error
+        raise
+
+
+def collective(operation: str) -> Callable[[F], F]:
+    """Decorator for collectives taking ``state=``: errors are made clear (see guarded)."""
+
+    def decorate(function: F) -> F:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from .state import current_state
+
+            state = kwargs.get("state") or current_state()
+            with guarded(operation, state.process_index):
+                return function(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 def _drop_dim(summary: Any, dim: int) -> Any:

@@ -30,6 +30,28 @@ class ProcessControl:
     """Who-am-I properties, barriers and per-process decorators over ``self.state``."""
 
     state: ProcessState
+    _trigger: bool = False
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this process (e.g. early stopping); see :meth:`check_trigger`."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """True on every process if any process called :meth:`set_trigger` since the last
+        check (then the flag is cleared). Must be called on every process.
+
+        Example::
+
+            if loss.isnan(): accelerator.set_trigger()
+            if accelerator.check_trigger(): break   # every rank leaves the loop together
+        """
+        from .collectives import reduce
+
+        flag = torch.tensor([1 if self._trigger else 0], device=self.state.device)
+        raised = int(reduce(flag, "sum", state=self.state).item()) > 0
+        if raised:
+            self._trigger = False
+        return raised
 
     @property
     def device(self) -> torch.device:

@@ -188,11 +188,14 @@ class ProcessState:
     # -- synchronisation ------------------------------------------------------------------
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this point."""
+        from .debug import guarded
+
         if self.num_processes > 1:
-            if self.backend == "nccl":
-                dist.barrier(device_ids=[self.device.index or 0])
-            else:
-                dist.barrier()
+            with guarded("wait_for_everyone", self.process_index):
+                if self.backend == "nccl":
+                    dist.barrier(device_ids=[self.device.index or 0])
+                else:
+                    dist.barrier()
 
     def destroy(self) -> None:
         """Tear the process group down if this state created it."""

@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 
 from slipstream import Accelerator, InitProcessGroupKwargs, ProcessState
+from slipstream.debug import CollectiveTimeoutError
 from slipstream.state import DistributedType, default_backend, select_device
 from tests.distributed import run_distributed
 
@@ -54,7 +55,7 @@ def _barrier_with_short_timeout() -> dict:
     start = time.monotonic()
     try:
         acc.wait_for_everyone()
-    except RuntimeError as error:
+    except CollectiveTimeoutError as error:
         return {"error": str(error), "elapsed": time.monotonic() - start}
     return {"error": None}
 
@@ -62,3 +63,5 @@ def _barrier_with_short_timeout() -> dict:
 def test_collectives_time_out_instead_of_hanging():
     r0, _ = run_distributed(_barrier_with_short_timeout, timeout=60)
     assert r0["error"] is not None and r0["elapsed"] < 5.5
+    assert "collective 'wait_for_everyone' on process 0 timed out" in r0["error"]
+    assert "--debug" in r0["error"]
