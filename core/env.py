@@ -46,6 +46,10 @@ class LaunchEnvironment:
     source: str = "single"
     launch_config: Mapping[str, Any] = field(default_factory=dict)
     debug: bool = False
+    #: How many times torchrun's agent has restarted the workers (elastic restarts).
+    restart_count: int = 0
+    #: Whether torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT.
+    agent_store: bool = False
 
     @property
     def needs_init_method(self) -> bool:
@@ -110,12 +114,16 @@ def read_launch_environment(environ: Mapping[str, str] | None = None) -> LaunchE
     debug = _flag(env, DEBUG_VARIABLE) or bool(launch_config.get("debug", False))
     addr = env.get("MASTER_ADDR") or None
     port = _int(env, "MASTER_PORT", 0) or None
+    restart_count = 0
+    agent_store = False
 
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
         rank = _int(env, "RANK")
         local_rank = _int(env, "LOCAL_RANK", rank)
         local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+        restart_count = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+        agent_store = _flag(env, "TORCHELASTIC_USE_AGENT_STORE")
         source = "torchrun"
     elif _int(env, "SLURM_STEP_NUM_TASKS", 1) > 1 and "SLURM_PROCID" in env:
         # Only a job step started by srun has SLURM_STEP_NUM_TASKS > 1; a plain python run
@@ -164,6 +172,8 @@ def read_launch_environment(environ: Mapping[str, str] | None = None) -> LaunchE
         source=source,
         launch_config=launch_config,
         debug=debug,
+        restart_count=restart_count,
+        agent_store=agent_store,
     )
 
 

@@ -14,9 +14,12 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,7 +133,11 @@ class ProcessState:
                 "backend": backend,
                 "timeout": timeout or DEFAULT_TIMEOUT,
             }
-            if init_method is not None:
+            if launch.restart_count and init_method is None:
+                init_kwargs.update(
+                    store=_attempt_store(launch, timeout), rank=rank, world_size=world
+                )
+            elif init_method is not None:
                 init_kwargs.update(init_method=init_method, rank=rank, world_size=world)
             elif launch.needs_init_method:
                 init_kwargs.update(
@@ -140,6 +147,7 @@ class ProcessState:
                 )
             dist.init_process_group(**init_kwargs)  # type: ignore[arg-type]
             owns = True
+            _watch_for_failure()
             atexit.register(_destroy_group_at_exit)
         elif world > 1:
             backend = dist.get_backend()
@@ -211,11 +219,55 @@ class ProcessState:
         )
 
 
+def _attempt_store(launch: LaunchEnvironment, timeout: timedelta | None) -> dist.Store:
+    """The launcher's store, with keys prefixed by the restart attempt.
+
+    After an elastic restart torchrun hands the new workers the same store as the previous
+    attempt; without a prefix of its own the new process group would read the dead
+    processes' addresses and fail to connect.
+    """
+    server = dist.TCPStore(
+        host_name=launch.master_addr or "127.0.0.1",
+        port=int(launch.master_port or 0),
+        world_size=launch.world_size,
+        is_master=not launch.agent_store and launch.rank == 0,
+        timeout=timeout or DEFAULT_TIMEOUT,
+    )
+    return dist.PrefixStore(f"slipstream/attempt_{launch.restart_count}/", server)
+
+
+_failed = False
+#: How long a cleanly finishing process waits at exit for the others to finish too.
+EXIT_BARRIER_TIMEOUT = timedelta(seconds=60)
+
+
+def note_failure() -> None:
+    """Record that this process is ending with an error (no exit barrier then)."""
+    global _failed
+    _failed = True
+
+
+def _watch_for_failure() -> None:
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        note_failure()
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
 def _destroy_group_at_exit() -> None:
     # Without this gloo can abort at interpreter shutdown ("terminate called without an
-    # active exception") and turn a successful run into a non-zero exit code.
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    # active exception") and turn a successful run into a non-zero exit code. A process
+    # that finished cleanly first waits (bounded) for the others, so no process tears down
+    # connections a peer is still using; after a failure it leaves at once.
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not _failed and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        with contextlib.suppress(Exception):
+            dist.monitored_barrier(timeout=EXIT_BARRIER_TIMEOUT)
+    dist.destroy_process_group()
 
 
 _current: ProcessState | None = None

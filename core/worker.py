@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as error:
+        from .state import note_failure
+
+        note_failure()
         path = error_file()
         if path is None:
             raise
