@@ -194,12 +194,73 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{where}: gradient_accumulation_steps must be >= 1, got "
             f"{config.gradient_accumulation_steps}"
         )
+    _validate_blocks(config, where)
     if config.deepspeed_config and config.fsdp_config:
         raise ConfigError(
             f"{where}: deepspeed_config and fsdp_config are both set; DeepSpeed and FSDP cannot "
             "be combined, keep one"
         )
     return dataclasses.replace(config, **changes)
+
+
+DEEPSPEED_KEYS = (
+    "deepspeed_config_file",
+    "zero_stage",
+    "offload_optimizer_device",
+    "offload_param_device",
+    "offload_optimizer_nvme_path",
+    "offload_param_nvme_path",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "zero3_init_flag",
+    "zero3_save_16bit_model",
+    "deepspeed_multinode_launcher",
+    "deepspeed_hostfile",
+    "deepspeed_exclusion_filter",
+    "deepspeed_inclusion_filter",
+    "deepspeed_moe_layer_cls_names",
+)
+DYNAMO_KEYS = (
+    "dynamo_backend",
+    "dynamo_mode",
+    "dynamo_use_fullgraph",
+    "dynamo_use_dynamic",
+    "dynamo_use_regional_compilation",
+)
+
+
+def _check_keys(block: str, values: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"{where}: {block}: unknown key '{key}'{_suggest(key, known)}")
+
+
+def _validate_blocks(config: LaunchConfig, where: str) -> None:
+    """Check the nested fsdp_config, deepspeed_config and dynamo_config blocks."""
+    if config.fsdp_config:
+        from .strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+
+        try:
+            FullyShardedDataParallelPlugin.from_config(config.fsdp_config)
+        except ValueError as error:
+            text = str(error)
+            raise ConfigError(
+                f"{where}: {text if text.startswith('fsdp_config') else 'fsdp_config: ' + text}"
+            ) from None
+    deepspeed = config.deepspeed_config
+    _check_keys("deepspeed_config", deepspeed, DEEPSPEED_KEYS, where)
+    stage = deepspeed.get("zero_stage")
+    if stage is not None and str(stage) not in ("0", "1", "2", "3"):
+        raise ConfigError(
+            f"{where}: deepspeed_config: zero_stage must be 0, 1, 2 or 3, got {stage!r}"
+        )
+    for key in ("offload_optimizer_device", "offload_param_device"):
+        device = deepspeed.get(key)
+        if device is not None and str(device).lower() not in ("none", "cpu", "nvme"):
+            raise ConfigError(
+                f"{where}: deepspeed_config: {key} must be none, cpu or nvme, got {device!r}"
+            )
+    _check_keys("dynamo_config", config.dynamo_config, DYNAMO_KEYS, where)
 
 
 def config_from_dict(

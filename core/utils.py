@@ -1,5 +1,6 @@
 """Helpers importable from ``slipstream.utils`` (where Accelerate users look for them)."""
 
+from .cli.configure import write_basic_config
 from .collectives import (
     broadcast,
     broadcast_object_list,
@@ -42,4 +43,5 @@ __all__ = [
     "send_to_device",
     "set_seed",
     "skip_first_batches",
+    "write_basic_config",
 ]

@@ -9,10 +9,10 @@ import argparse
 import sys
 
 from ..config import ConfigError
+from . import check, configure, environment, merge_weights
 from . import launch as launch_command
-from . import merge_weights as merge_weights_command
 
-_COMMANDS = [launch_command, merge_weights_command]
+_COMMANDS = [configure, launch_command, environment, check, merge_weights]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 """``slipstream launch``: run a script on every process of a (multi-machine) job.
 
-Configuration precedence: command-line flags > config file > defaults. Every option has an
-underscore and a dash spelling (``--num_processes`` / ``--num-processes``).
+Configuration precedence: command-line flags > config file > defaults. Every config key is
+also a flag, with an underscore and a dash spelling (``--num_processes`` /
+``--num-processes``); ``--help`` groups them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,114 @@ from ..config import (
 )
 from ..env import default_config_file
 
+# (flag, type, help) per group; top-level flags map to config keys of the same name.
+_TOP_LEVEL: dict[str, list[tuple[str, Any, str]]] = {
+    "processes and machines": [
+        ("num_processes", int, "total processes over all machines (default: GPUs, else 1)"),
+        ("num_machines", int, "number of machines (default 1)"),
+        ("machine_rank", int, "rank of this machine (0 hosts the job)"),
+        ("main_process_ip", str, "address of machine 0 (multi-machine jobs)"),
+        ("main_process_port", int, "port on machine 0 (default: free on one machine, else 29500)"),
+        ("rdzv_backend", str, "torchrun rendezvous for several machines: c10d (default) or static"),
+        ("same_network", str, "true when all machines share a network (informational)"),
+        ("gpu_ids", str, "comma-separated GPU ids to use (default all)"),
+        ("distributed_type", str, "NO, MULTI_CPU, MULTI_GPU, FSDP or DEEPSPEED"),
+        ("compute_environment", str, "LOCAL_MACHINE"),
+    ],
+    "training": [
+        ("mixed_precision", str, f"one of {', '.join(MIXED_PRECISION)}"),
+        ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
+        ("downcast_bf16", str, "accepted for Accelerate config compatibility"),
+        ("main_training_function", str, "accepted for Accelerate config compatibility"),
+    ],
+    "fault tolerance": [
+        ("max_restarts", int, "restart the workers up to N times on failure"),
+        ("monitor_interval", float, "seconds between worker health checks (default 0.1)"),
+    ],
+}
+_SWITCHES = {  # store_const flags: flag -> (config key, value)
+    "cpu": ("use_cpu", True),
+    "debug": ("debug", True),
+    "multi_gpu": ("distributed_type", "MULTI_GPU"),
+    "use_fsdp": ("distributed_type", "FSDP"),
+    "use_deepspeed": ("distributed_type", "DEEPSPEED"),
+}
+# Flags that fill a nested block of the config: block -> [(flag, key in block, type, help)].
+_NESTED: dict[str, list[tuple[str, str, Any, str]]] = {
+    "fsdp_config": [
+        ("fsdp_version", "fsdp_version", int, "FSDP version (2)"),
+        (
+            "fsdp_auto_wrap_policy",
+            "fsdp_auto_wrap_policy",
+            str,
+            "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP",
+        ),
+        (
+            "fsdp_transformer_layer_cls_to_wrap",
+            "fsdp_transformer_layer_cls_to_wrap",
+            str,
+            "comma-separated layer class names to shard",
+        ),
+        (
+            "fsdp_min_num_params",
+            "fsdp_min_num_params",
+            int,
+            "parameters of a module sharded on its own (size-based)",
+        ),
+        (
+            "fsdp_reshard_after_forward",
+            "fsdp_reshard_after_forward",
+            str,
+            "true: full shard; false: keep parameters until backward",
+        ),
+        (
+            "fsdp_offload_params",
+            "fsdp_offload_params",
+            str,
+            "true: keep parameters and optimizer state on the CPU",
+        ),
+        (
+            "fsdp_state_dict_type",
+            "fsdp_state_dict_type",
+            str,
+            "SHARDED_STATE_DICT or FULL_STATE_DICT for save_state",
+        ),
+        (
+            "fsdp_activation_checkpointing",
+            "fsdp_activation_checkpointing",
+            str,
+            "true: recompute the wrapped layers in backward",
+        ),
+    ],
+    "deepspeed_config": [
+        ("deepspeed_config_file", "deepspeed_config_file", str, "a DeepSpeed JSON config"),
+        ("zero_stage", "zero_stage", int, "ZeRO stage 0-3"),
+        ("offload_optimizer_device", "offload_optimizer_device", str, "none, cpu or nvme"),
+        ("offload_param_device", "offload_param_device", str, "none, cpu or nvme"),
+        ("offload_optimizer_nvme_path", "offload_optimizer_nvme_path", str, "NVMe folder"),
+        ("offload_param_nvme_path", "offload_param_nvme_path", str, "NVMe folder"),
+        ("gradient_clipping", "gradient_clipping", float, "gradient norm clipping value"),
+        ("zero3_init_flag", "zero3_init_flag", str, "true: build models under zero.Init"),
+        (
+            "zero3_save_16bit_model",
+            "zero3_save_16bit_model",
+            str,
+            "true: consolidate 16-bit weights when saving at ZeRO-3",
+        ),
+    ],
+    "dynamo_config": [
+        ("dynamo_backend", "dynamo_backend", str, "torch.compile backend (e.g. inductor)"),
+        ("dynamo_mode", "dynamo_mode", str, "torch.compile mode"),
+        ("dynamo_use_fullgraph", "dynamo_use_fullgraph", str, "true: compile one graph"),
+        ("dynamo_use_dynamic", "dynamo_use_dynamic", str, "true: dynamic shapes"),
+    ],
+}
+_GROUP_TITLES = {
+    "fsdp_config": "FSDP (fully sharded data parallel, FSDP2)",
+    "deepspeed_config": "DeepSpeed",
+    "dynamo_config": "torch.compile",
+}
+
 
 def _option(group: Any, name: str, *extra: str, **kwargs: Any) -> None:
     spellings = [f"--{name}"]
@@ -35,74 +144,46 @@ def register(subparsers: Any) -> None:
         description="Run a training script on every process of a job (built on torchrun).",
     )
     parser.set_defaults(run=run)
-    parser.add_argument(
-        "--config_file",
-        "--config-file",
-        dest="config_file",
-        default=None,
-        help="YAML config (default: the file written by `slipstream config`)",
-    )
-
-    hardware = parser.add_argument_group("processes and machines")
-    _option(
-        hardware,
-        "num_processes",
-        "-n",
-        type=int,
-        help="total processes over all machines (default: GPUs, else 1)",
-    )
-    _option(hardware, "num_machines", type=int, help="number of machines (default 1)")
-    _option(hardware, "machine_rank", type=int, help="rank of this machine (0 hosts the job)")
-    _option(hardware, "main_process_ip", help="address of machine 0 (multi-machine jobs)")
-    _option(
-        hardware,
-        "main_process_port",
-        type=int,
-        help="port on machine 0 (default: a free port on one machine, 29500 on several)",
-    )
-    _option(
-        hardware,
-        "rdzv_backend",
-        choices=["c10d", "static"],
-        help="torchrun rendezvous for multi-machine jobs (default c10d)",
-    )
-    _option(hardware, "cpu", action="store_const", const=True, help="use the CPU even with GPUs")
-    _option(
-        hardware,
-        "multi_gpu",
-        action="store_const",
-        const=True,
-        help="data-parallel training on several GPUs",
-    )
-    _option(hardware, "gpu_ids", help="comma-separated GPU ids to use (default all)")
-
-    training = parser.add_argument_group("training")
-    _option(training, "mixed_precision", choices=list(MIXED_PRECISION), help="mixed precision mode")
-    _option(
-        training,
-        "dynamo_backend",
-        help="torch.compile prepared models with this backend (e.g. inductor)",
-    )
-    _option(
-        training, "gradient_accumulation_steps", type=int, help="micro-batches per optimizer step"
-    )
-    _option(
-        training,
-        "debug",
-        action="store_const",
-        const=True,
-        help="check every collective for matching calls on all ranks",
-    )
-
-    fsdp = parser.add_argument_group("FSDP (fully sharded data parallel, FSDP2)")
-    _option(fsdp, "use_fsdp", action="store_const", const=True, help="shard models with FSDP2")
-    for key, kind, text in _FSDP_FLAGS:
-        _option(fsdp, key, type=kind, help=text)
-
-    fault = parser.add_argument_group("fault tolerance")
-    _option(fault, "max_restarts", type=int, help="restart the workers up to N times on failure")
-    _option(fault, "monitor_interval", type=float, help="seconds between worker health checks")
-
+    _option(parser, "config_file", help="YAML config (default: the one `slipstream config` wrote)")
+    for title, flags in _TOP_LEVEL.items():
+        group = parser.add_argument_group(title)
+        for flag, kind, text in flags:
+            _option(group, flag, *(["-n"] if flag == "num_processes" else []), type=kind, help=text)
+        if title == "processes and machines":
+            _option(
+                group, "cpu", action="store_const", const=True, help="use the CPU even with GPUs"
+            )
+            _option(
+                group,
+                "multi_gpu",
+                action="store_const",
+                const=True,
+                help="data-parallel training on several GPUs",
+            )
+        if title == "training":
+            _option(
+                group,
+                "debug",
+                action="store_const",
+                const=True,
+                help="check every collective for matching calls on all ranks",
+            )
+    for block, nested in _NESTED.items():
+        group = parser.add_argument_group(_GROUP_TITLES[block])
+        if block == "fsdp_config":
+            _option(
+                group, "use_fsdp", action="store_const", const=True, help="shard models with FSDP2"
+            )
+        if block == "deepspeed_config":
+            _option(
+                group,
+                "use_deepspeed",
+                action="store_const",
+                const=True,
+                help="train with DeepSpeed ZeRO",
+            )
+        for flag, _, kind, text in nested:
+            _option(group, flag, type=kind, help=text)
     target = parser.add_argument_group("what to run")
     _option(
         target,
@@ -123,34 +204,6 @@ def register(subparsers: Any) -> None:
     )
 
 
-_FSDP_FLAGS: list[tuple[str, Any, str]] = [
-    ("fsdp_version", int, "FSDP version (2)"),
-    ("fsdp_auto_wrap_policy", str, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP"),
-    ("fsdp_transformer_layer_cls_to_wrap", str, "comma-separated layer class names to shard"),
-    ("fsdp_min_num_params", int, "parameters of a module sharded on its own (size-based)"),
-    ("fsdp_reshard_after_forward", str, "true: full shard; false: keep params until backward"),
-    ("fsdp_offload_params", str, "true: keep parameters and optimizer state on the CPU"),
-    ("fsdp_state_dict_type", str, "SHARDED_STATE_DICT or FULL_STATE_DICT for save_state"),
-    ("fsdp_activation_checkpointing", str, "true: recompute the wrapped layers in backward"),
-]
-
-_FLAG_TO_KEY = {
-    "num_processes": "num_processes",
-    "num_machines": "num_machines",
-    "machine_rank": "machine_rank",
-    "main_process_ip": "main_process_ip",
-    "main_process_port": "main_process_port",
-    "rdzv_backend": "rdzv_backend",
-    "cpu": "use_cpu",
-    "gpu_ids": "gpu_ids",
-    "mixed_precision": "mixed_precision",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "debug": "debug",
-    "max_restarts": "max_restarts",
-    "monitor_interval": "monitor_interval",
-}
-
-
 def _default_processes(use_cpu: bool) -> int:
     import torch
 
@@ -169,27 +222,37 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
     if path is not None:
         _, notes = load_config(path)  # reports problems with the file's own name
         values = read_config_values(path)
-    flags = {key: getattr(args, flag) for flag, key in _FLAG_TO_KEY.items()}
-    values.update({key: value for key, value in flags.items() if value is not None})
+    for flags in _TOP_LEVEL.values():
+        for flag, _, _ in flags:
+            if getattr(args, flag) is not None:
+                values[flag] = getattr(args, flag)
+    for flag, (key, value) in _SWITCHES.items():
+        if getattr(args, flag):
+            values[key] = value
+    for block, nested in _NESTED.items():
+        given = {k: getattr(args, f) for f, k, _, _ in nested if getattr(args, f) is not None}
+        if given:
+            values[block] = {**(values.get(block) or {}), **given}
+    if values.get("fsdp_config") and values.get("distributed_type", "NO") in (
+        "NO",
+        "MULTI_CPU",
+        "MULTI_GPU",
+    ):
+        values["distributed_type"] = "FSDP"
+    if values.get("deepspeed_config") and values.get("distributed_type", "NO") in (
+        "NO",
+        "MULTI_CPU",
+        "MULTI_GPU",
+    ):
+        values["distributed_type"] = "DEEPSPEED"
     if "num_processes" not in values:
         machines = int(values.get("num_machines", 1) or 1)
         values["num_processes"] = machines * _default_processes(bool(values.get("use_cpu")))
-    if args.multi_gpu:
-        values["distributed_type"] = "MULTI_GPU"
-    elif values.get("distributed_type", "NO") == "NO" and int(values["num_processes"]) > 1:
+    if values.get("distributed_type", "NO") == "NO" and int(values["num_processes"]) > 1:
         import torch
 
         gpu = torch.cuda.is_available() and not values.get("use_cpu")
         values["distributed_type"] = "MULTI_GPU" if gpu else "MULTI_CPU"
-    fsdp = {key: getattr(args, key) for key, _, _ in _FSDP_FLAGS if getattr(args, key) is not None}
-    if args.use_fsdp or fsdp:
-        values["distributed_type"] = "FSDP"
-        values["fsdp_config"] = {**(values.get("fsdp_config") or {}), **fsdp}
-    if args.dynamo_backend is not None:
-        values["dynamo_config"] = {
-            **(values.get("dynamo_config") or {}),
-            "dynamo_backend": args.dynamo_backend.upper(),
-        }
     config, more = config_from_dict(values, where="options")
     _check_strategy_available(config)
     return config, notes + more
@@ -199,15 +262,6 @@ def _check_strategy_available(config: LaunchConfig) -> None:
     from ..strategies import available_strategies
 
     needed = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(config.distributed_type)
-    if needed == "fsdp":
-        from ..strategies import FullyShardedDataParallelPlugin
-
-        try:
-            FullyShardedDataParallelPlugin.from_config(config.fsdp_config)
-        except ValueError as error:
-            raise ConfigError(
-                str(error) if "fsdp_config" in str(error) else f"fsdp_config: {error}"
-            ) from None
     if needed is not None and needed not in available_strategies():
         raise ConfigError(
             f"distributed_type: {config.distributed_type} is not supported by this version of "

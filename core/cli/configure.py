@@ -1,0 +1,294 @@
+"""``slipstream config``: write a configuration file by answering questions.
+
+Also ``slipstream config default [--mixed_precision M]`` (a basic config using every
+device) and ``slipstream config validate FILE``. Answers are checked as they are given (an
+invalid one is asked again); the file is validated as a whole before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config import MIXED_PRECISION, ConfigError, config_from_dict, load_config, save_config
+from ..env import default_config_file
+
+Ask = Callable[[str], str]
+Say = Callable[[str], None]
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "config",
+        help="create, write a default, or validate a configuration file",
+        description=__doc__.splitlines()[0],
+    )
+    parser.set_defaults(run=run, action=None)
+    parser.add_argument(
+        "--config_file",
+        "--config-file",
+        dest="config_file",
+        default=None,
+        help=f"where to save (default {default_config_file()})",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    default = actions.add_parser("default", help="write a basic config using all devices")
+    default.add_argument(
+        "--mixed_precision",
+        "--mixed-precision",
+        dest="mixed_precision",
+        default="no",
+        choices=list(MIXED_PRECISION),
+    )
+    default.add_argument(
+        "--config_file", "--config-file", dest="config_file", default=argparse.SUPPRESS
+    )
+    validate = actions.add_parser("validate", help="check a config file and report problems")
+    validate.add_argument("file", help="the YAML file to check")
+
+
+class Questionnaire:
+    """Asks the questions; ``ask`` reads an answer (``input``), ``say`` prints."""
+
+    def __init__(self, ask: Ask = input, say: Say = print) -> None:
+        self._ask = ask
+        self.say = say
+
+    def _read(self, prompt: str) -> str:
+        try:
+            return self._ask(prompt).strip()
+        except EOFError:
+            raise ConfigError(
+                "the input ended before the questionnaire was finished; nothing was written"
+            ) from None
+
+    def text(
+        self,
+        question: str,
+        default: str | None = None,
+        check: Callable[[str], str | None] | None = None,
+    ) -> str:
+        """Free text; ``check`` returns an error message or None."""
+        suffix = f" [{default}]" if default is not None else ""
+        while True:
+            answer = self._read(f"{question}{suffix}: ") or (default or "")
+            problem = check(answer) if check else (None if answer else "an answer is required")
+            if problem is None:
+                return answer
+            self.say(f"  {problem}; please try again.")
+
+    def choice(self, question: str, options: Sequence[str], default: str) -> str:
+        """One of ``options`` (case-insensitive), or its number."""
+        listing = ", ".join(f"{i}) {o}" for i, o in enumerate(options))
+        lowered = {o.lower(): o for o in options}
+
+        def check(answer: str) -> str | None:
+            if answer.lower() in lowered or (answer.isdigit() and int(answer) < len(options)):
+                return None
+            return f"'{answer}' is not one of: {', '.join(options)}"
+
+        answer = self.text(f"{question} ({listing})", default, check)
+        return options[int(answer)] if answer.isdigit() else lowered[answer.lower()]
+
+    def integer(
+        self, question: str, default: int, minimum: int = 0, maximum: int | None = None
+    ) -> int:
+        def check(answer: str) -> str | None:
+            if not answer.lstrip("-").isdigit():
+                return f"'{answer}' is not a whole number"
+            value = int(answer)
+            if value < minimum or (maximum is not None and value > maximum):
+                top = f" and {maximum}" if maximum is not None else ""
+                return f"{value} is out of range (between {minimum}{top})"
+            return None
+
+        return int(self.text(question, str(default), check))
+
+    def number(self, question: str, default: float) -> float:
+        def check(answer: str) -> str | None:
+            try:
+                return None if float(answer) > 0 else "it must be positive"
+            except ValueError:
+                return f"'{answer}' is not a number"
+
+        return float(self.text(question, str(default), check))
+
+    def yes(self, question: str, default: bool = False) -> bool:
+        def check(answer: str) -> str | None:
+            ok = answer.lower() in ("y", "yes", "n", "no", "true", "false")
+            return None if ok else f"'{answer}' is not yes or no"
+
+        shown = "yes/NO" if not default else "YES/no"
+        answer = self.text(f"{question} [{shown}]", "yes" if default else "no", check)
+        return answer.lower() in ("y", "yes", "true")
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _dynamo_check(answer: str) -> str | None:
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=None)
+    return None if answer.lower() in known else f"unknown backend; torch knows {', '.join(known)}"
+
+
+def ask_questions(q: Questionnaire) -> dict[str, Any]:
+    """The questionnaire itself: returns the config values."""
+    values: dict[str, Any] = {
+        "compute_environment": q.choice(
+            "In which compute environment are you running?", ["LOCAL_MACHINE"], "LOCAL_MACHINE"
+        )
+    }
+    machine = q.choice(
+        "Which type of machine are you using?", ["no", "multi-CPU", "multi-GPU"], "no"
+    )
+    values["distributed_type"] = {"no": "NO", "multi-CPU": "MULTI_CPU", "multi-GPU": "MULTI_GPU"}[
+        machine
+    ]
+    values["use_cpu"] = machine == "multi-CPU" or (machine == "no" and _gpu_count() == 0)
+    if machine != "no":
+        values["num_machines"] = q.integer("How many machines will you use?", 1, minimum=1)
+        if values["num_machines"] > 1:
+            values["machine_rank"] = q.integer(
+                "What is the rank of this machine?", 0, 0, values["num_machines"] - 1
+            )
+            values["main_process_ip"] = q.text(
+                "What is the IP address of the machine that hosts the main process?"
+            )
+            values["main_process_port"] = q.integer(
+                "What port should the main process use?", 29500, 1, 65535
+            )
+            values["rdzv_backend"] = q.choice(
+                "Which rendezvous backend?", ["c10d", "static"], "c10d"
+            )
+    if q.yes("Do you want to compile your model with torch dynamo (torch.compile)?"):
+        values["dynamo_config"] = {
+            "dynamo_backend": q.text("Which dynamo backend?", "inductor", _dynamo_check).upper()
+        }
+    if machine != "no" and q.yes("Do you want to use DeepSpeed?"):
+        values["distributed_type"] = "DEEPSPEED"
+        values["deepspeed_config"] = _deepspeed_questions(q)
+    elif machine != "no" and q.yes("Do you want to use FullyShardedDataParallel (FSDP2)?"):
+        values["distributed_type"] = "FSDP"
+        values["fsdp_config"] = _fsdp_questions(q)
+    if machine != "no":
+        suggested = max(2, _gpu_count()) if machine == "multi-GPU" else 2
+        per_machine = q.integer("How many processes per machine?", suggested, minimum=1)
+        values["num_processes"] = per_machine * int(values.get("num_machines", 1))
+    values["mixed_precision"] = q.choice(
+        "Do you wish to use mixed precision?", list(MIXED_PRECISION), "no"
+    )
+    return values
+
+
+def _deepspeed_questions(q: Questionnaire) -> dict[str, Any]:
+    if q.yes("Do you want to give a DeepSpeed JSON config file?"):
+        path = q.text(
+            "Path to the DeepSpeed JSON file",
+            None,
+            lambda a: None if Path(a).is_file() else f"{a} does not exist",
+        )
+        return {"deepspeed_config_file": path}
+    config: dict[str, Any] = {"zero_stage": q.integer("ZeRO stage (0-3)?", 2, 0, 3)}
+    devices = ["none", "cpu", "nvme"]
+    config["offload_optimizer_device"] = q.choice(
+        "Where to offload optimizer states?", devices, "none"
+    )
+    config["offload_param_device"] = (
+        q.choice("Where to offload parameters?", devices, "none")
+        if config["zero_stage"] == 3
+        else "none"
+    )
+    config["gradient_accumulation_steps"] = q.integer("How many gradient accumulation steps?", 1, 1)
+    config["gradient_clipping"] = (
+        q.number("Clip gradients to which norm?", 1.0)
+        if q.yes("Do you want gradient clipping?")
+        else 0.0
+    )
+    if config["zero_stage"] == 3:
+        config["zero3_save_16bit_model"] = q.yes("Save consolidated 16-bit weights at ZeRO-3?")
+        config["zero3_init_flag"] = q.yes("Build models under deepspeed.zero.Init?")
+    return config
+
+
+def _fsdp_questions(q: Questionnaire) -> dict[str, Any]:
+    config: dict[str, Any] = {"fsdp_version": 2}
+    policy = q.choice(
+        "Which layers are sharded on their own?",
+        ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"],
+        "TRANSFORMER_BASED_WRAP",
+    )
+    config["fsdp_auto_wrap_policy"] = policy
+    if policy == "TRANSFORMER_BASED_WRAP":
+        config["fsdp_transformer_layer_cls_to_wrap"] = q.text(
+            "Layer class names to wrap (comma-separated)"
+        )
+    elif policy == "SIZE_BASED_WRAP":
+        config["fsdp_min_num_params"] = q.integer(
+            "Minimum parameters of a wrapped module?", 100_000_000, 1
+        )
+    config["fsdp_reshard_after_forward"] = q.yes(
+        "Reshard parameters after forward (less memory)?", True
+    )
+    config["fsdp_offload_params"] = q.yes("Offload parameters and optimizer state to the CPU?")
+    config["fsdp_state_dict_type"] = q.choice(
+        "How should save_state write the model?",
+        ["SHARDED_STATE_DICT", "FULL_STATE_DICT"],
+        "SHARDED_STATE_DICT",
+    )
+    config["fsdp_activation_checkpointing"] = q.yes("Use activation checkpointing?")
+    return config
+
+
+def write_basic_config(
+    mixed_precision: str = "no", save_location: str | Path | None = None
+) -> Path | bool:
+    """Write a config that uses every available device; False if the file already exists.
+
+    Example::
+
+        from slipstream.utils import write_basic_config
+        write_basic_config(mixed_precision="fp16")
+    """
+    path = Path(save_location) if save_location is not None else default_config_file()
+    if path.exists():
+        return False
+    gpus = _gpu_count()
+    values: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "MULTI_GPU" if gpus > 1 else "NO",
+        "num_processes": max(1, gpus),
+        "use_cpu": gpus == 0,
+        "mixed_precision": mixed_precision,
+    }
+    config, _ = config_from_dict(values, where="write_basic_config")
+    return save_config(config, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "validate":
+        config, notes = load_config(args.file)
+        for note in notes:
+            print(f"note: {note}")
+        print(
+            f"{args.file} is a valid configuration ({config.distributed_type}, "
+            f"{config.num_processes} process(es), mixed_precision={config.mixed_precision})"
+        )
+        return 0
+    target = Path(args.config_file) if args.config_file else default_config_file()
+    if args.action == "default":
+        written = write_basic_config(args.mixed_precision, target)
+        if written is False:
+            raise ConfigError(f"{target} already exists; delete it or pass --config_file elsewhere")
+        print(f"configuration saved at {written}")
+        return 0
+    values = ask_questions(Questionnaire())
+    config, _ = config_from_dict(values, where="your answers")
+    print(f"configuration saved at {save_config(config, target)}")
+    return 0

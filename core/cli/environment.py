@@ -1,0 +1,65 @@
+"""``slipstream env``: versions, devices and the active config, ready to paste into a bug
+report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import sys
+from typing import Any
+
+from ..env import default_config_file
+
+_OPTIONAL = ("numpy", "deepspeed", "lightning", "torchmetrics", "safetensors", "fsspec", "s3fs")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("env", help="print versions, devices and the active config")
+    parser.set_defaults(run=run)
+    parser.add_argument("--config_file", "--config-file", dest="config_file", default=None)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def report(config_file: str | None = None) -> str:
+    """The report as text."""
+    import torch
+
+    from .. import __version__
+
+    lines = [
+        f"- slipstream version: {__version__}",
+        f"- Platform: {platform.platform()}",
+        f"- Python version: {sys.version.split()[0]}",
+        f"- PyTorch version: {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})",
+        f"- GPU available: {torch.cuda.is_available()}",
+    ]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            properties = torch.cuda.get_device_properties(index)
+            lines.append(
+                f"  - cuda:{index}: {properties.name}, {properties.total_memory / 2**30:.1f} GiB"
+            )
+    lines.append(f"- CPU cores: {__import__('os').cpu_count()}")
+    lines += [f"- {package} version: {_version(package)}" for package in _OPTIONAL]
+    path = config_file or str(default_config_file())
+    try:
+        with open(path) as handle:
+            body = handle.read().strip()
+        lines.append(f"- config file {path}:")
+        lines += [f"    {line}" for line in body.splitlines()]
+    except FileNotFoundError:
+        lines.append(f"- config file {path}: not found (defaults apply)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    print("Copy-and-paste this into your bug report:\n")
+    print(report(args.config_file))
+    return 0

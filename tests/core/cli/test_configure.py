@@ -1,0 +1,260 @@
+"""`slipstream config` (questionnaire, default, validate), `env`, `test`, and config files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slipstream.config import load_config, save_config
+from slipstream.utils import write_basic_config
+from tests.distributed import REPO, run_cli
+
+FIXTURES = Path(__file__).parent / "accelerate_configs"
+
+
+def answer(config_file: Path, lines: list[str], extra_env: dict | None = None):
+    env = {"SLIPSTREAM_CONFIG_FILE": str(config_file.parent / "unused.yaml")}
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "slipstream.cli", "config", "--config_file", str(config_file)],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, **env, **(extra_env or {})},
+    )
+
+
+def test_questionnaire_for_fsdp_on_cpu_processes(tmp_path):
+    target = tmp_path / "answers.yaml"
+    result = answer(
+        target,
+        [
+            "",  # compute environment [LOCAL_MACHINE]
+            "multi-CPU",
+            "1",  # machines
+            "no",  # dynamo
+            "no",  # DeepSpeed
+            "yes",  # FSDP
+            "",  # wrap policy [TRANSFORMER_BASED_WRAP]
+            "Block,Layer",
+            "",  # reshard after forward [YES]
+            "",  # offload [NO]
+            "FULL_STATE_DICT",
+            "y",  # activation checkpointing
+            "2",  # processes per machine
+            "bf16",
+        ],
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"configuration saved at {target}" in result.stdout
+    assert "[LOCAL_MACHINE]" in result.stdout and "[yes/NO]" in result.stdout
+    config, _ = load_config(target)
+    assert (config.distributed_type, config.num_processes, config.use_cpu) == ("FSDP", 2, True)
+    assert config.mixed_precision == "bf16"
+    assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "Block,Layer"
+    assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    assert config.fsdp_config["fsdp_activation_checkpointing"] is True
+
+
+def test_questionnaire_asks_again_after_bad_answers(tmp_path):
+    target = tmp_path / "again.yaml"
+    result = answer(
+        target,
+        [
+            "",
+            "banana",  # not a machine type
+            "2",  # by number: multi-GPU
+            "zero",  # not a number
+            "2",  # machines
+            "5",  # rank out of range for 2 machines
+            "1",
+            "10.0.0.1",
+            "70000",  # port out of range
+            "29400",
+            "",  # rendezvous [c10d]
+            "maybe",  # not yes/no
+            "yes",  # dynamo
+            "turbo",  # unknown backend
+            "eager",
+            "no",
+            "no",
+            "4",
+            "fp17",
+            "fp16",
+        ],
+    )
+    assert result.returncode == 0, result.stderr
+    for complaint in (
+        "'banana' is not one of: no, multi-CPU, multi-GPU",
+        "'zero' is not a whole number",
+        "5 is out of range (between 0 and 1)",
+        "70000 is out of range",
+        "'maybe' is not yes or no",
+        "unknown backend",
+        "'fp17' is not one of",
+    ):
+        assert complaint in result.stdout
+    config, _ = load_config(target)
+    assert (config.num_machines, config.machine_rank, config.num_processes) == (2, 1, 8)
+    assert config.main_process_port == 29400 and config.dynamo_config["dynamo_backend"] == "EAGER"
+
+
+def test_questionnaire_for_deepspeed_writes_its_block(tmp_path):
+    target = tmp_path / "ds.yaml"
+    lines = [
+        "",
+        "multi-GPU",
+        "1",
+        "no",
+        "yes",
+        "no",
+        "3",
+        "cpu",
+        "cpu",
+        "4",
+        "yes",
+        "0.5",
+        "yes",
+        "no",
+        "2",
+        "bf16",
+    ]
+    result = answer(target, lines)
+    assert result.returncode == 0, result.stderr
+    config, _ = load_config(target)
+    assert config.distributed_type == "DEEPSPEED"
+    assert config.deepspeed_config == {
+        "zero_stage": 3,
+        "offload_optimizer_device": "cpu",
+        "offload_param_device": "cpu",
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 0.5,
+        "zero3_save_16bit_model": True,
+        "zero3_init_flag": False,
+    }
+
+
+def test_input_ending_early_writes_nothing(tmp_path):
+    target = tmp_path / "never.yaml"
+    result = answer(target, ["", "multi-CPU"])
+    assert result.returncode == 2 and "nothing was written" in result.stderr
+    assert not target.exists()
+
+
+def test_config_default_and_validate(tmp_path):
+    target = tmp_path / "default.yaml"
+    result = run_cli("config", "default", "--mixed_precision", "fp16", "--config_file", str(target))
+    assert result.returncode == 0 and target.exists(), result.stderr
+    config, _ = load_config(target)
+    assert config.mixed_precision == "fp16" and config.num_processes == 1
+    again = run_cli("config", "default", "--config_file", str(target))
+    assert again.returncode == 2 and "already exists" in again.stderr
+    valid = run_cli("config", "validate", str(target))
+    assert valid.returncode == 0 and "is a valid configuration" in valid.stdout
+    assert write_basic_config(save_location=target) is False
+    assert write_basic_config("bf16", tmp_path / "other.yaml") == tmp_path / "other.yaml"
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.glob("*.yaml")))
+def test_real_accelerate_config_files_work_as_is(tmp_path, fixture):
+    path = FIXTURES / fixture
+    config, notes = load_config(path)
+    raw = yaml.safe_load(path.read_text())
+    assert config.distributed_type == str(raw["distributed_type"]).upper()
+    assert config.num_processes == raw["num_processes"]
+    assert config.mixed_precision == raw["mixed_precision"]
+    if "ipex_config" in raw:
+        assert any("ipex_config" in note and "does not support" in note for note in notes)
+    round_trip = save_config(config, tmp_path / "copy.yaml")
+    assert load_config(round_trip)[0] == config
+    result = run_cli("config", "validate", str(path))
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("num_processes: [2\n", "bad.yaml:2:1: not valid YAML"),
+        ("num_procs: 2\n", "bad.yaml: unknown key 'num_procs' (did you mean 'num_processes'?)"),
+        ("num_processes: two\n", "bad.yaml: key 'num_processes' must be an integer, got 'two'"),
+        ("use_cpu: maybe\n", "bad.yaml: key 'use_cpu' must be true or false, got 'maybe'"),
+        (
+            "distributed_type: FSDP\nfsdp_config: {fsdp_version: 2}\ndeepspeed_config: {zero_stage: 2}\n",
+            "bad.yaml: deepspeed_config and fsdp_config are both set",
+        ),
+        ("num_machines: 2\nnum_processes: 2\n", "bad.yaml: num_machines=2 needs main_process_ip"),
+        ("deepspeed_config: {zero_stage: 5}\n", "zero_stage must be 0, 1, 2 or 3, got 5"),
+        (
+            "deepspeed_config: {zero_stag: 2}\n",
+            "deepspeed_config: unknown key 'zero_stag' (did you mean 'zero_stage'?)",
+        ),
+        (
+            "fsdp_config: {fsdp_auto_wrap_policy: NOPE}\n",
+            "bad.yaml: fsdp_config: auto_wrap_policy must be one of",
+        ),
+        ("mixed_precision: fp12\n", "bad.yaml: mixed_precision must be one of"),
+    ],
+)
+def test_bad_config_files_give_one_clear_message(tmp_path, content, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(content)
+    result = run_cli("config", "validate", str(bad))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_env_reports_versions_devices_and_config(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("mixed_precision: bf16\n")
+    result = run_cli("env", "--config_file", str(config))
+    assert result.returncode == 0
+    for expected in (
+        "slipstream version",
+        "PyTorch version",
+        "GPU available",
+        "Python version",
+        "deepspeed version",
+        "mixed_precision: bf16",
+    ):
+        assert expected in result.stdout
+
+
+def test_slipstream_test_runs_the_checks_under_a_config(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    result = run_cli("test", "--config_file", str(config), timeout=180)
+    assert result.returncode == 0, result.stderr
+    for check in ("process group", "sharded data", "collectives", "training"):
+        assert f"PASS  {check}" in result.stdout
+    assert "all checks passed" in result.stdout
+
+
+def test_launch_help_groups_every_config_key():
+    result = run_cli("launch", "--help")
+    for title in (
+        "processes and machines",
+        "training",
+        "FSDP",
+        "DeepSpeed",
+        "torch.compile",
+        "fault tolerance",
+    ):
+        assert title in result.stdout
+    for flag in (
+        "--same_network",
+        "--zero_stage",
+        "--fsdp_state_dict_type",
+        "--dynamo_mode",
+        "--downcast_bf16",
+        "--main_training_function",
+        "--compute_environment",
+    ):
+        assert flag in result.stdout
