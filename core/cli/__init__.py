@@ -9,10 +9,10 @@ import argparse
 import sys
 
 from ..config import ConfigError
-from . import check, configure, environment, merge_weights
+from . import check, configure, environment, estimate_memory, merge_weights
 from . import launch as launch_command
 
-_COMMANDS = [configure, launch_command, environment, check, merge_weights]
+_COMMANDS = [configure, launch_command, environment, check, merge_weights, estimate_memory]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,282 @@
+"""``slipstream estimate-memory MODEL``: memory per process to train or serve a model.
+
+MODEL is ``module:callable`` (imported with the current directory on sys.path) or
+``path/to/file.py:callable``; the callable returns an ``nn.Module`` and is called under
+``torch.device("meta")``, so even a huge model costs no memory to measure.
+
+Accounting (the ZeRO paper's, N = trainable parameters, P = processes), AdamW:
+
+- fp32: weights 4N + gradients 4N + optimizer states (momentum, variance) 8N.
+- bf16/fp16 mixed precision (DeepSpeed-style): 16-bit weights 2N + 16-bit gradients 2N +
+  fp32 master weights, momentum and variance 12N.
+- DDP shards nothing; ZeRO-1 shards the optimizer states over P; ZeRO-2 also the
+  gradients; ZeRO-3 also the weights. FSDP is ZeRO-3 plus one gathered largest unit in the
+  compute dtype (2 or 4 bytes per parameter).
+- Frozen parameters count only as weights (bytes of the dtype), sharded only by ZeRO-3/FSDP.
+- A shard holds ceil(n / P) elements, the padding FSDP and ZeRO add to split evenly.
+- Inference is weights only: 4 bytes per parameter in fp32, 2 in bf16/fp16.
+- Activations, model buffers, buffers of the data pipeline and framework overhead are not
+  included. Sizes use binary units: 1 KB = 1024 B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import runpy
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+
+DTYPES = ("fp32", "bf16", "fp16")
+STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP")
+# Bytes per trainable parameter: (weights, gradients, optimizer states incl. fp32 master).
+_TRAINING_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+NOTES = "AdamW; activations, buffers of the data pipeline and framework overhead not included."
+FOOTER = "Sizes in binary units (1 KB = 1024 B). " + NOTES
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """What the estimate needs to know about a model (element counts)."""
+
+    total: int
+    trainable: int
+    buffers: int
+    largest_unit: int
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """Bytes per process for one strategy at one dtype."""
+
+    strategy: str
+    dtype: str
+    weights: int
+    gradients: int
+    optimizer_states: int
+    gathered_unit: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_states + self.gathered_unit
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The callable named by ``module:callable`` or ``path/to/file.py:callable``."""
+    target, colon, name = spec.rpartition(":")
+    if not colon or not target or not name:
+        raise ConfigError(f"MODEL {spec!r} must be 'module:callable' or 'path/to/file.py:callable'")
+    module = _import_file(target) if target.endswith(".py") else _import_module(target)
+    if not hasattr(module, name):
+        # Only what the module defines itself: its imports (nn, torch, ...) are noise here.
+        public = sorted(
+            key
+            for key, value in vars(module).items()
+            if not key.startswith("_")
+            and callable(value)
+            and getattr(value, "__module__", 0) == module.__name__
+        )
+        listed = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "") or "none"
+        raise ConfigError(f"{target} has no attribute {name!r}; its public callables: {listed}")
+    factory = getattr(module, name)
+    if not callable(factory):
+        kind = type(factory).__name__
+        raise ConfigError(f"{spec} is {kind!r}, not callable; name a function or class")
+    return factory
+
+
+def _import_module(name: str) -> Any:
+    # The console script's sys.path[0] is its bin folder; users expect `python -m` behaviour.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(name)
+    except Exception as error:
+        missing = getattr(error, "name", None)  # a ModuleNotFoundError's module
+        if isinstance(error, ImportError) and missing and f"{name}.".startswith(f"{missing}."):
+            raise ConfigError(
+                f"cannot import module {name!r} (no module named {missing!r}); run from "
+                "the folder that contains it or pass path/to/file.py:callable"
+            ) from None
+        raise ConfigError(f"importing module {name!r} failed: {_describe(error)}") from None
+
+
+def _import_file(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise ConfigError(f"cannot import {path!r}: no such file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:  # like `python file.py`: sibling modules are importable
+        sys.path.insert(0, folder)
+    try:
+        return types.SimpleNamespace(**runpy.run_path(path, run_name="_slipstream_model"))
+    except Exception as error:
+        raise ConfigError(f"importing {path!r} failed: {_describe(error)}") from None
+
+
+def _describe(error: BaseException) -> str:
+    lines = str(error).splitlines()  # one line: the CLI prints errors on one line
+    return type(error).__name__ + (f": {lines[0]}" if lines else "")
+
+
+def build_model(spec: str) -> nn.Module:
+    """Call the factory named by ``spec`` on the meta device and check it made a Module."""
+    factory = load_factory(spec)
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as error:  # e.g. it reads tensor values, which meta tensors lack
+        raise ConfigError(f"{spec}() failed on the meta device: {_describe(error)}") from None
+    if not isinstance(model, nn.Module):
+        kind = type(model).__name__
+        raise ConfigError(f"{spec} returned {kind!r}, not a torch.nn.Module; point MODEL at one")
+    return model
+
+
+def _units(module: nn.Module) -> Iterator[nn.Module]:
+    # Plain containers are opened so each block of a stack is its own unit: the layout that
+    # fully_shard on every block gives, and what FSDP gathers at a time.
+    for child in module.children():
+        if isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            yield from _units(child)
+        else:
+            yield child
+
+
+def count_parameters(model: nn.Module) -> ParameterCounts:
+    """Total and trainable parameters, buffer elements and the largest unit of ``model``."""
+    parameters = list(model.parameters())  # deduplicated, so tied weights count once
+    units = [sum(p.numel() for p in unit.parameters()) for unit in _units(model)]
+    own = sum(p.numel() for p in model.parameters(recurse=False))
+    total = sum(p.numel() for p in parameters)
+    return ParameterCounts(
+        total=total,
+        trainable=sum(p.numel() for p in parameters if p.requires_grad),
+        buffers=sum(b.numel() for b in model.buffers()),
+        # A leaf model (no children) is one unit; the root's own parameters are another.
+        largest_unit=max([own, *units]) if units else total,
+    )
+
+
+def _check(num_processes: int, dtypes: Sequence[str]) -> None:
+    if num_processes < 1:
+        raise ConfigError(f"--num_processes must be at least 1, got {num_processes}")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown or not dtypes:
+        raise ConfigError(f"--dtypes must be among {', '.join(DTYPES)}, got {list(dtypes)}")
+
+
+def estimate(
+    counts: ParameterCounts, num_processes: int = 1, dtypes: Sequence[str] = DTYPES
+) -> list[MemoryRow]:
+    """Training memory per process, one row per (strategy, dtype), strategies outermost."""
+    _check(num_processes, dtypes)
+
+    def shard(elements: int, sharded: bool) -> int:
+        return -(-elements // num_processes) if sharded else elements
+
+    rows = []
+    # The index in STRATEGIES is the ZeRO stage (DDP 0); FSDP shards like stage 3.
+    for stage, strategy in enumerate(STRATEGIES):
+        for dtype in dtypes:
+            weight, gradient, optimizer = _TRAINING_BYTES[dtype]
+            gathered = _WEIGHT_BYTES[dtype] * counts.largest_unit if strategy == "FSDP" else 0
+            weights = weight * shard(counts.total, stage >= 3)  # frozen parameters too
+            gradients = gradient * shard(counts.trainable, stage >= 2)
+            states = optimizer * shard(counts.trainable, stage >= 1)
+            rows.append(MemoryRow(strategy, dtype, weights, gradients, states, gathered))
+    return rows
+
+
+def inference_bytes(counts: ParameterCounts, dtypes: Sequence[str] = DTYPES) -> dict[str, int]:
+    """Weights-only memory of one full copy of the model, per dtype."""
+    _check(1, dtypes)
+    return {dtype: _WEIGHT_BYTES[dtype] * counts.total for dtype in dtypes}
+
+
+def format_bytes(size: float) -> str:
+    """``size`` in B, KB, MB, GB or TB (binary: 1 KB = 1024 B)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{size:.2f} TB"
+
+
+def format_table(
+    counts: ParameterCounts, rows: list[MemoryRow], inference: dict[str, int], num_processes: int
+) -> str:
+    """The human-readable report: strategies down, dtypes across, then inference."""
+    dtypes = list(inference)
+    totals = {(row.strategy, row.dtype): format_bytes(row.total) for row in rows}
+    lines = [
+        [f"Training, per process of {num_processes}", *dtypes],
+        *([s, *(totals[s, d] for d in dtypes)] for s in STRATEGIES),
+        ["Inference (weights only)", *(format_bytes(inference[d]) for d in dtypes)],
+    ]
+    width = max(len(line[0]) for line in lines)
+    rendered = [line[0].ljust(width) + "".join(f"{c:>12}" for c in line[1:]) for line in lines]
+    rendered.insert(1, "-" * len(rendered[0]))
+    rendered.insert(-1, "-" * len(rendered[0]))
+    header = (
+        f"{counts.total:,} parameters ({counts.trainable:,} trainable, {counts.frozen:,} "
+        f"frozen), {counts.buffers:,} buffer elements, largest unit {counts.largest_unit:,} "
+        "parameters (gathered whole by FSDP)"
+    )
+    return "\n".join([header, "", *rendered, "", FOOTER])
+
+
+def register(subparsers: Any) -> None:
+    summary = "estimate memory per process to train or serve a model"
+    parser = subparsers.add_parser(
+        "estimate-memory",
+        help=summary,
+        description=__doc__,  # --help shows the accounting, laid out as written
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(run=run)
+    parser.add_argument("model", help="module:callable or path/to/file.py:callable")
+    parser.add_argument(
+        "--num_processes", "--num-processes", type=int, default=1, help="processes (default 1)"
+    )
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="columns (default all)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    dtypes = list(dict.fromkeys(args.dtypes))  # drop repeats, keep the order given
+    _check(args.num_processes, dtypes)  # before building: a typo should not wait on a model
+    counts = count_parameters(build_model(args.model))
+    rows = estimate(counts, args.num_processes, dtypes)
+    inference = inference_bytes(counts, dtypes)
+    if args.json:
+        report = {
+            "model": args.model,
+            "num_processes": args.num_processes,
+            "parameters": {**dataclasses.asdict(counts), "frozen": counts.frozen},
+            "training": [{**dataclasses.asdict(r), "total": r.total} for r in rows],
+            "inference": inference,
+            "unit": "bytes",
+            "notes": NOTES,
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(counts, rows, inference, args.num_processes))
+    return 0
