@@ -33,6 +33,7 @@ from .checkpoint.api import CheckpointingMixin
 from .checkpoint.manager import LoadHook, SaveHook
 from .compile import check_backend, compile_model, normalise_backend
 from .data import ActiveLoaders, PreparedDataLoader, prepare_data_loader, skip_first_batches
+from .extensions import find_preparer
 from .kwargs import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -302,7 +303,14 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         placements = list(device_placement or [self.device_placement] * len(args))
         results: list[Any] = list(args)
 
-        model_slots = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)]
+        # Objects an extension knows (e.g. torchmetrics metrics, which are nn.Modules too)
+        # are handed to it rather than treated as models.
+        extension = {i: p for i, obj in enumerate(args) if (p := find_preparer(obj)) is not None}
+        for i, preparer in extension.items():
+            results[i] = preparer.prepare(args[i], self)
+        model_slots = [
+            i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and i not in extension
+        ]
         optimizer_slots = [
             i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)
         ]
@@ -330,6 +338,7 @@ class Accelerator(ProcessControl, CheckpointingMixin):
                 results[i] = self.prepare_data_loader(obj, device_placement=placements[i])
             elif _is_scheduler(obj):
                 results[i] = self.prepare_scheduler(obj)
+
         return results[0] if len(results) == 1 else tuple(results)
 
     @property

@@ -28,3 +28,13 @@ def test_train_example_on_one_process():
     result = run_python(TRAIN, "--quick")
     assert result.returncode == 0, result.stderr
     assert "on 1001 samples (1 processes, cpu)" in result.stdout
+
+
+def test_evaluate_metrics_example_is_exact_on_two_processes():
+    example = str(REPO / "examples" / "evaluate_metrics.py")
+    one = run_python(example)
+    two = run_cli("launch", "--num_processes", "2", "--cpu", example)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    line_one = next(line for line in one.stdout.splitlines() if "accuracy" in line)
+    line_two = next(line for line in two.stdout.splitlines() if "accuracy" in line)
+    assert line_one.replace("(1 processes)", "") == line_two.replace("(2 processes)", "")
