@@ -1,4 +1,4 @@
-"""Per-process peak memory of training with DDP versus FSDP2, 2 CPU processes.
+"""Per-process peak memory of training with DDP, FSDP2 and DeepSpeed ZeRO-3, 2 CPU processes.
 
 The model (~340 MB of fp32 weights; AdamW adds twice that in state) is built, prepared and
 trained for a few steps under each strategy; each process reports the peak of its resident
@@ -21,7 +21,7 @@ import sys
 import torch
 from torch import nn
 
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "zero3")
 
 
 def _high_water_mark_mb() -> float:
@@ -46,10 +46,30 @@ def _reset_high_water_mark() -> None:
 
 
 def worker(strategy: str, width: int, layers: int) -> None:
-    from slipstream import Accelerator, FullyShardedDataParallelPlugin
+    from slipstream import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
-    plugin = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Linear"])
-    accelerator = Accelerator(fsdp_plugin=plugin if strategy == "fsdp" else None)
+    plugins = {
+        "fsdp": {
+            "fsdp_plugin": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Linear"])
+        },
+        # DeepSpeed's defaults keep up to 1e9 gathered parameters alive (all of this model)
+        # and use 5e8-element buckets; bound them as one would for a model this size.
+        "zero3": {
+            "deepspeed_plugin": DeepSpeedPlugin(
+                hf_ds_config={
+                    "zero_optimization": {
+                        "stage": 3,
+                        "stage3_max_live_parameters": 1e6,
+                        "stage3_max_reuse_distance": 1e6,
+                        "stage3_prefetch_bucket_size": 1e6,
+                        "stage3_param_persistence_threshold": 1e4,
+                        "reduce_bucket_size": 1e6,
+                    }
+                }
+            )
+        },
+    }
+    accelerator = Accelerator(**plugins.get(strategy, {}))
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -67,7 +87,8 @@ def worker(strategy: str, width: int, layers: int) -> None:
     # The kernel's high-water mark can miss short peaks; sampled values bound it too.
     peak = max(_high_water_mark_mb(), *samples)
     print(
-        json.dumps(
+        "BENCH "
+        + json.dumps(
             {
                 "strategy": strategy,
                 "rank": accelerator.process_index,
@@ -77,6 +98,12 @@ def worker(strategy: str, width: int, layers: int) -> None:
         ),
         flush=True,
     )
+
+
+def _has_deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def main() -> None:
@@ -93,7 +120,8 @@ def main() -> None:
         return
     megabytes = args.width * (args.width + 1) * args.layers * 4 / 1e6
     peaks: dict[str, list[float]] = {}  # absolute per-rank peaks, MB
-    for strategy in STRATEGIES:
+    strategies = [s for s in STRATEGIES if s != "zero3" or _has_deepspeed()]
+    for strategy in strategies:
         command = [
             sys.executable,
             "-m",
@@ -112,15 +140,21 @@ def main() -> None:
         # glibc keeps freed large blocks in its heap unless they are mmap'ed: without this,
         # resident memory measures the allocator's retention rather than live tensors.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.getcwd(), ".torch_extensions"))
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
-        reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        reports = [
+            json.loads(line[len("BENCH ") :])
+            for line in done.stdout.splitlines()
+            if line.startswith("BENCH ")
+        ]
         peaks[strategy] = [r["peak_mb"] for r in sorted(reports, key=lambda r: r["rank"])]
     print(f"model: {megabytes:.0f} MB of fp32 weights, AdamW, 2 processes on CPU")
     for strategy, values in peaks.items():
         shown = ", ".join(f"{v:.0f} MB" for v in values)
-        print(f"{strategy:5s} peak resident memory during training per rank: {shown}")
-    ratio = max(peaks["fsdp"]) / max(peaks["ddp"])
-    print(f"fsdp vs ddp per-rank peak: ratio {ratio:.2f}x")
+        print(f"{strategy:6s} peak resident memory during training per rank: {shown}")
+    for strategy in strategies[1:]:
+        ratio = max(peaks[strategy]) / max(peaks["ddp"])
+        print(f"{strategy} vs ddp per-rank peak: ratio {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,12 @@ from .kwargs import (
 )
 from .random import set_seed
 from .state import DistributedType, ProcessState
-from .strategies import FullyShardedDataParallelPlugin
+from .strategies import (
+    DeepSpeedPlugin,
+    DummyOptim,
+    DummyScheduler,
+    FullyShardedDataParallelPlugin,
+)
 from .tree import send_to_device
 
 __version__ = "0.1.0"
@@ -41,8 +46,11 @@ __all__ = [
     "CollectiveMismatchError",
     "CompileError",
     "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "DummyOptim",
+    "DummyScheduler",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",

@@ -45,7 +45,7 @@ from .kwargs import (
     TorchDynamoPlugin,
 )
 from .optimizer import AcceleratedOptimizer, StepCoordinator
-from .precision import Precision, make_precision, restore_forward
+from .precision import Precision, canonical_mode, make_precision, restore_forward
 from .process_control import ProcessControl
 from .scheduler import AcceleratedScheduler
 from .state import (
@@ -57,6 +57,9 @@ from .state import (
 )
 from .step import StepState
 from .strategies import (
+    DeepSpeedPlugin,
+    DummyOptim,
+    DummyScheduler,
     FullyShardedDataParallelPlugin,
     Strategy,
     available_strategies,
@@ -81,7 +84,7 @@ class PrepareError(TypeError):
 
 
 def _is_scheduler(obj: Any) -> bool:
-    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+    if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)):
         return True
     return isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer) and callable(
         getattr(obj, "step", None)
@@ -110,6 +113,8 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         project_config: a :class:`ProjectConfiguration` (automatic checkpoint naming, rotation).
         fsdp_plugin: shard models with FSDP2 using these options (also chosen by
             ``distributed_type: FSDP`` with an ``fsdp_config`` block in the config file).
+        deepspeed_plugin: train with DeepSpeed ZeRO using these options (also chosen by
+            ``distributed_type: DEEPSPEED`` with a ``deepspeed_config`` block).
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         project_dir: str | None = None,
         project_config: ProjectConfiguration | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
     ) -> None:
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
@@ -156,19 +162,32 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         autocast = handlers.get(AutocastKwargs, AutocastKwargs())
         scaler = handlers.get(GradScalerKwargs)
         assert isinstance(autocast, AutocastKwargs)
+        mode = canonical_mode(mixed_precision or launch.get("mixed_precision") or "no")
+        strategy_name = self._strategy_name(launch, fsdp_plugin, deepspeed_plugin)
+        known = strategy_name in available_strategies()
+        strategy_class = get_strategy_class(strategy_name) if known else None
+        # A strategy that manages precision itself (DeepSpeed) gets the mode in its config;
+        # the Accelerator then runs without autocast or a loss scaler of its own.
+        runtime_mode = "no" if getattr(strategy_class, "manages_precision", False) else mode
         self.precision: Precision = make_precision(
-            mixed_precision or launch.get("mixed_precision") or "no",
+            runtime_mode,
             self.state.device,
             convert_outputs_to_fp32=autocast.convert_outputs_to_fp32,
             autocast_enabled=autocast.enabled,
             cache_enabled=autocast.cache_enabled,
             scaler_kwargs=scaler.to_kwargs() if scaler is not None else None,
         )
-        self.mixed_precision = self.precision.mode
+        self.mixed_precision = mode
         self.dynamo_plugin = self._dynamo_plugin(dynamo_backend, dynamo_plugin, launch)
-        self.coordinator = StepCoordinator(self.step_state, self.precision.scaler)
-
-        self.strategy = self._build_strategy(launch, handlers, fsdp_plugin, autocast)
+        self.strategy = self._build_strategy(
+            strategy_name, launch, handlers, fsdp_plugin, deepspeed_plugin, autocast
+        )
+        self.strategy.step_state = self.step_state
+        self.coordinator = StepCoordinator(
+            self.step_state,
+            self.precision.scaler,
+            self.strategy if getattr(self.strategy, "steps_in_backward", False) else None,
+        )
         self.active_loaders = ActiveLoaders()
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
@@ -221,17 +240,30 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         check_backend(plugin)
         return plugin
 
+    def _strategy_name(
+        self,
+        launch: dict[str, Any],
+        fsdp_plugin: FullyShardedDataParallelPlugin | None,
+        deepspeed_plugin: DeepSpeedPlugin | None,
+    ) -> str:
+        if fsdp_plugin is not None and deepspeed_plugin is not None:
+            raise ValueError("pass fsdp_plugin or deepspeed_plugin, not both")
+        if fsdp_plugin is not None:
+            return "fsdp"
+        if deepspeed_plugin is not None:
+            return "deepspeed"
+        requested = _STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
+        return requested or ("ddp" if self.state.num_processes > 1 else "single")
+
     def _build_strategy(
         self,
+        name: str,
         launch: dict[str, Any],
         handlers: dict[type, KwargsHandler],
         fsdp_plugin: FullyShardedDataParallelPlugin | None,
+        deepspeed_plugin: DeepSpeedPlugin | None,
         autocast: AutocastKwargs,
     ) -> Strategy:
-        requested = _STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
-        if fsdp_plugin is not None:
-            requested = "fsdp"
-        name = requested or ("ddp" if self.state.num_processes > 1 else "single")
         options: dict[str, Any] = {}
         if name == "ddp":
             ddp = handlers.get(DistributedDataParallelKwargs)
@@ -242,6 +274,14 @@ class Accelerator(ProcessControl, CheckpointingMixin):
                 or FullyShardedDataParallelPlugin.from_config(launch.get("fsdp_config") or {}),
                 "mixed_precision": self.mixed_precision,
                 "convert_outputs_to_fp32": autocast.convert_outputs_to_fp32,
+            }
+        elif name == "deepspeed":
+            options = {
+                "plugin": deepspeed_plugin
+                or DeepSpeedPlugin.from_config(launch.get("deepspeed_config") or {}),
+                "mixed_precision": self.mixed_precision,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "split_batches": self.split_batches,
             }
         if name not in available_strategies():
             raise ValueError(
@@ -312,16 +352,25 @@ class Accelerator(ProcessControl, CheckpointingMixin):
             i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and i not in extension
         ]
         optimizer_slots = [
-            i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)
+            i for i, obj in enumerate(args) if isinstance(obj, (torch.optim.Optimizer, DummyOptim))
         ]
         if model_slots or optimizer_slots:
             models = [args[i] for i in model_slots]
             if self.strategy_autocasts:
                 models = [self.precision.convert_model(m) for m in models]
+            context: dict[str, Any] = {}
+            if getattr(self.strategy, "steps_in_backward", False):
+                # DeepSpeed builds its config from the batch size and schedulers it sees.
+                context = {
+                    "dataloaders": [a for a in args if isinstance(a, DataLoader)]
+                    + list(self._dataloaders),
+                    "schedulers": [a for a in args if _is_scheduler(a)],
+                }
             wrapped, optimizers = self.strategy.setup(
                 models,
                 [args[i] for i in optimizer_slots],
                 device_placement=[placements[i] for i in model_slots],
+                **context,
             )
             for slot, model in zip(model_slots, wrapped, strict=True):
                 if self.dynamo_plugin.backend != "no":
@@ -329,7 +378,7 @@ class Accelerator(ProcessControl, CheckpointingMixin):
                 results[slot] = model
                 self._models.append(model)
             for slot, optimizer in zip(optimizer_slots, optimizers, strict=True):
-                prepared = AcceleratedOptimizer(optimizer, self.coordinator)
+                prepared = AcceleratedOptimizer(optimizer, self.coordinator, original=args[slot])
                 results[slot] = prepared
                 self._optimizers.append(prepared)
 
@@ -365,8 +414,11 @@ class Accelerator(ProcessControl, CheckpointingMixin):
                     "model once"
                 )
         schedulers = [obj for obj in args if _is_scheduler(obj) and not isinstance(obj, nn.Module)]
-        optimizers_here = {id(obj) for obj in args if isinstance(obj, torch.optim.Optimizer)}
+        optimizers_here = {
+            id(obj) for obj in args if isinstance(obj, (torch.optim.Optimizer, DummyOptim))
+        }
         known = optimizers_here | {id(opt.optimizer) for opt in self._optimizers}
+        known |= {id(opt.original) for opt in self._optimizers}
         for scheduler in schedulers:
             inner = getattr(scheduler, "optimizer", None)
             if isinstance(inner, AcceleratedOptimizer):
@@ -409,7 +461,11 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         """Wrap an LR scheduler so it steps with its prepared optimizer."""
         self._check_prepare_arguments([scheduler])
         inner = scheduler.optimizer
-        owners = [opt for opt in self._optimizers if opt.optimizer is inner or opt is inner]
+        owners = [
+            opt
+            for opt in self._optimizers
+            if opt.optimizer is inner or opt is inner or opt.original is inner
+        ]
         steps = 1 if self.split_batches else self.num_processes
         prepared = AcceleratedScheduler(
             scheduler,
@@ -455,6 +511,12 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         """Run backward inside without synchronising ``model``'s gradients."""
         with self.strategy.no_sync(getattr(model, "_orig_mod", model)):
             yield
+
+    def model_init_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Build models inside this: under DeepSpeed ZeRO-3 with ``zero3_init_flag`` each
+        process then holds only its partition (no process ever has the whole model)."""
+        context = getattr(self.strategy, "model_init_context", None)
+        return context() if context is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def autocast(self, enabled: bool = True) -> Iterator[None]:

@@ -24,9 +24,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         optimizer.optimizer              # the original optimizer
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, coordinator: StepCoordinator) -> None:
+    def __init__(
+        self, optimizer: Any, coordinator: StepCoordinator, *, original: Any = None
+    ) -> None:
         # Deliberately no super().__init__: all state lives in the wrapped optimizer.
         self.optimizer = optimizer
+        #: What the user passed to prepare() (differs when a strategy rebuilt the optimizer).
+        self.original = original if original is not None else optimizer
         self.coordinator = coordinator
         self.step_state = coordinator.step_state
         #: True when the last sync-step was skipped (fp16 overflow).
@@ -89,7 +93,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._unscaled = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.step_state.sync_gradients:
+        if self.step_state.sync_gradients and self.coordinator.engine is None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
@@ -116,9 +120,12 @@ class StepCoordinator:
     only some step — before the next backward or when one of them steps again.
     """
 
-    def __init__(self, step_state: StepState, scaler: Any = None) -> None:
+    def __init__(self, step_state: StepState, scaler: Any = None, engine: Any = None) -> None:
         self.step_state = step_state
         self.scaler = scaler
+        #: A strategy whose engine steps the optimizer inside backward (DeepSpeed); the
+        #: prepared optimizers' step() then only records the outcome.
+        self.engine = engine
         self.optimizers: list[AcceleratedOptimizer] = []
         self.pending: list[AcceleratedOptimizer] = []
 
@@ -129,7 +136,9 @@ class StepCoordinator:
         if any(o is optimizer for o in self.pending):
             self.finish()  # it steps again: the previous step is over
         inner = optimizer.optimizer
-        if self.scaler is not None:
+        if self.engine is not None:
+            result = None
+        elif self.scaler is not None:
             result = self.scaler.step(inner, closure) if closure else self.scaler.step(inner)
         else:
             result = inner.step(closure) if closure is not None else inner.step()
@@ -143,7 +152,9 @@ class StepCoordinator:
         if not self.pending:
             return
         skipped = False
-        if self.scaler is not None:
+        if self.engine is not None:
+            skipped = self.engine.step_was_skipped()
+        elif self.scaler is not None:
             before = self.scaler.get_scale()
             self.scaler.update()
             skipped = self.scaler.get_scale() < before

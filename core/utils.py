@@ -21,14 +21,22 @@ from .kwargs import (
 )
 from .random import set_seed
 from .state import DistributedType
-from .strategies import FullyShardedDataParallelPlugin
+from .strategies import (
+    DeepSpeedPlugin,
+    DummyOptim,
+    DummyScheduler,
+    FullyShardedDataParallelPlugin,
+)
 from .tree import send_to_device
 
 __all__ = [
     "AutocastKwargs",
     "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "DummyOptim",
+    "DummyScheduler",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",

@@ -6,7 +6,11 @@ from collections.abc import Iterator
 import pytest
 
 from slipstream.state import set_current_state
-from tests.distributed import s3_server
+from tests.distributed import REPO, s3_server
+
+# DeepSpeed JIT-compiles a small communication op on CPU the first time (about a minute);
+# keep the build between test runs.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
 
 
 @pytest.fixture(autouse=True)

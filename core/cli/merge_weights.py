@@ -1,8 +1,8 @@
 """``slipstream merge-weights CHECKPOINT OUTPUT_DIR``: consolidate sharded weights.
 
-Turns a sharded checkpoint (torch.distributed.checkpoint, as written by FSDP with
-SHARDED_STATE_DICT — or a ``save_state`` folder holding one) into safetensors in one
-process, without a process group and without the original number of processes.
+Turns a sharded checkpoint — torch.distributed.checkpoint (FSDP with SHARDED_STATE_DICT) or
+a DeepSpeed ZeRO checkpoint, or a ``save_state`` folder holding either — into safetensors
+in one process, without a process group and without the original number of processes.
 """
 
 from __future__ import annotations
@@ -84,11 +84,39 @@ def load_sharded_weights(folder: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+def find_deepspeed_checkpoint(checkpoint: str) -> tuple[str, str | None] | None:
+    """(folder, tag) of a DeepSpeed ZeRO checkpoint in ``checkpoint``, if there is one."""
+    if os.path.isfile(os.path.join(checkpoint, "latest")):
+        return checkpoint, None  # DeepSpeed reads the tag from "latest"
+    parent, tag = os.path.split(os.path.normpath(checkpoint))
+    names = os.listdir(checkpoint) if os.path.isdir(checkpoint) else []
+    if any(name.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_")) for name in names):
+        return parent, tag
+    return None
+
+
+def load_deepspeed_weights(folder: str, tag: str | None) -> dict[str, torch.Tensor]:
+    """fp32 weights of a ZeRO checkpoint of any stage, in this process (no process group)."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError:
+        raise ConfigError(
+            f"{folder} is a DeepSpeed checkpoint; merging it needs DeepSpeed installed"
+        ) from None
+    state = get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import save_weights
 
-    folder = find_sharded_weights(args.checkpoint, args.model_index)
-    state = load_sharded_weights(folder)
+    deepspeed = find_deepspeed_checkpoint(args.checkpoint)
+    if deepspeed is not None:
+        folder = deepspeed[0]
+        state = load_deepspeed_weights(*deepspeed)
+    else:
+        folder = find_sharded_weights(args.checkpoint, args.model_index)
+        state = load_sharded_weights(folder)
     names = save_weights(
         state,
         args.output_dir,

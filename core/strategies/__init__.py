@@ -15,6 +15,7 @@ import importlib
 
 from .base import Strategy
 from .ddp import DDPStrategy
+from .deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
 from .fsdp_plugin import FullyShardedDataParallelPlugin
 from .single import SingleDeviceStrategy
 
@@ -22,6 +23,7 @@ _REGISTRY: dict[str, type[Strategy] | str] = {
     "single": SingleDeviceStrategy,
     "ddp": DDPStrategy,
     "fsdp": "slipstream.strategies.fsdp:FSDPStrategy",
+    "deepspeed": "slipstream.strategies.deepspeed:DeepSpeedStrategy",
 }
 
 
@@ -51,6 +53,9 @@ def get_strategy_class(name: str) -> type[Strategy]:
 
 __all__ = [
     "DDPStrategy",
+    "DeepSpeedPlugin",
+    "DummyOptim",
+    "DummyScheduler",
     "FullyShardedDataParallelPlugin",
     "SingleDeviceStrategy",
     "Strategy",

@@ -34,6 +34,8 @@ class Strategy:
     def __init__(self, state: ProcessState, **options: Any) -> None:
         self.state = state
         self.options = options
+        #: Set by the Accelerator: the micro-step bookkeeping (sync_gradients).
+        self.step_state: Any = None
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -46,9 +48,11 @@ class Strategy:
         optimizers: list[torch.optim.Optimizer],
         *,
         device_placement: list[bool],
+        **context: Any,
     ) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
         """Place and wrap models (``device_placement`` has one flag per model); return the
-        optimizers to use (a strategy may rebuild them)."""
+        optimizers to use (a strategy may rebuild them). ``context`` carries what else
+        prepare() saw (dataloaders, schedulers) for strategies that need it."""
         wrapped = [
             self.wrap_model(m, device_placement=place)
             for m, place in zip(models, device_placement, strict=True)

@@ -175,6 +175,7 @@ class FSDPStrategy(Strategy):
         optimizers: list[torch.optim.Optimizer],
         *,
         device_placement: list[bool],
+        **context: Any,
     ) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
         before = [{id(p): n for n, p in m.named_parameters()} for m in models]
         wrapped, _ = super().setup(models, [], device_placement=device_placement)

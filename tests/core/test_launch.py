@@ -128,6 +128,15 @@ def test_fsdp_from_flags_and_from_an_accelerate_config(probe: Path):
     assert all(r["type"] == "FSDP" and r["precision"] == "bf16" for r in reports(out))
 
 
+def test_deepspeed_from_an_accelerate_config(probe: Path):
+    pytest.importorskip("deepspeed")
+    out = probe.parent / "out"
+    fixture = REPO / "tests" / "core" / "cli" / "accelerate_configs" / "deepspeed_zero3.yaml"
+    result = run_cli("launch", "--config_file", str(fixture), "--cpu", str(probe), str(out))
+    assert result.returncode == 0, result.stderr
+    assert all(r["type"] == "DEEPSPEED" and r["precision"] == "bf16" for r in reports(out))
+
+
 def test_module_mode(probe: Path):
     out = probe.parent / "out"
     (probe.parent / "probe_module.py").write_text(PROBE)
