@@ -190,13 +190,20 @@ def reduce(
     *,
     state: ProcessState | None = None,
 ) -> Any:
-    """Sum (``"sum"``) or average (``"mean"``) tensors over processes, then multiply by ``scale``.
+    """Sum (``"sum"``), average (``"mean"``), ``"max"`` or ``"min"`` tensors over processes,
+    then multiply by ``scale``.
 
     Returns new tensors; the inputs are left unchanged. Averaging integer tensors gives
     floating-point results; boolean tensors are rejected (use an integer dtype to count).
     """
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    operations = {
+        "sum": dist.ReduceOp.SUM,
+        "mean": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }
+    if reduction not in operations:
+        raise ValueError(f"reduction must be 'sum', 'mean', 'max' or 'min', got {reduction!r}")
     state = _state(state)
     world = state.num_processes
     verify_collective(state, "reduce", data, reduction=reduction)
@@ -206,7 +213,7 @@ def reduce(
             raise TypeError("reduce() of a bool tensor is ambiguous; convert it to int first")
         result = tensor.clone()
         if world > 1:
-            dist.all_reduce(result, op=dist.ReduceOp.SUM)
+            dist.all_reduce(result, op=operations[reduction])
         if reduction == "mean":
             result = result / world
         return result * scale if scale != 1.0 else result

@@ -42,7 +42,7 @@ class LaunchEnvironment:
     local_world_size: int = 1
     master_addr: str | None = None
     master_port: int | None = None
-    #: "torchrun", "slurm", "mpi" or "single".
+    #: "torchrun", "slurm", "mpi", "single", or the name of a framework that set the ranks.
     source: str = "single"
     launch_config: Mapping[str, Any] = field(default_factory=dict)
     debug: bool = False
@@ -54,7 +54,7 @@ class LaunchEnvironment:
     @property
     def needs_init_method(self) -> bool:
         """True when torch's ``env://`` cannot find RANK/WORLD_SIZE by itself."""
-        return self.source in ("slurm", "mpi")
+        return self.source not in ("torchrun", "single")
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:

@@ -97,13 +97,16 @@ class ProcessState:
         init_method: str | None = None,
         debug: bool | None = None,
         environ: Mapping[str, str] | None = None,
+        launch: LaunchEnvironment | None = None,
     ) -> ProcessState:
         """Read the launcher variables and join (or adopt) the process group.
 
         With ``WORLD_SIZE > 1`` every rank joins one group (gloo on CPU, NCCL on CUDA); an
-        already-initialised ``torch.distributed`` group is adopted as is.
+        already-initialised ``torch.distributed`` group is adopted as is. Frameworks that
+        know the ranks themselves (the Lightning adapter) pass ``launch`` instead.
         """
-        launch = read_launch_environment(environ)
+        if launch is None:
+            launch = read_launch_environment(environ)
         if cpu is None:
             cpu = bool(launch.launch_config.get("use_cpu", False))
         if debug is None:

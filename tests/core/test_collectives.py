@@ -45,6 +45,8 @@ def _tensor_collectives() -> dict:
     out["reduce_sum"] = reduce(torch.tensor([1.0, rank]), "sum").tolist()
     out["reduce_mean"] = reduce(torch.tensor([1.0, rank]), "mean").tolist()
     out["reduce_scaled"] = acc.reduce(torch.tensor([2.0]), "sum", scale=0.5).tolist()
+    out["reduce_max"] = reduce(torch.tensor([float(rank), -rank]), "max").tolist()
+    out["reduce_min"] = reduce(torch.tensor([float(rank), -rank]), "min").tolist()
     own = torch.tensor([rank, rank])
     broadcast(own, from_process=1)
     out["broadcast"] = own.tolist()
@@ -74,6 +76,7 @@ def test_tensor_and_object_collectives_on_two_processes():
         assert result["reduce_sum"] == [2.0, 1.0]
         assert result["reduce_mean"] == [1.0, 0.5]
         assert result["reduce_scaled"] == [2.0]
+        assert result["reduce_max"] == [1.0, 0.0] and result["reduce_min"] == [0.0, -1.0]
         assert result["broadcast"] == [1, 1]
         assert result["objects"] == ["r0", 0, "r1", 1]
         assert result["object"] == [{"rank": 0}, {"rank": 1}]
@@ -91,8 +94,8 @@ def test_single_process_collectives_are_identity_like():
     assert reduce(t, "mean").tolist() == [0.0, 1.0, 2.0]
     assert gather_object([1, 2]) == [1, 2] and gather_object("x") == ["x"]
     assert pad_across_processes(t) is t
-    with pytest.raises(ValueError, match="reduction must be"):
-        reduce(t, "max")
+    with pytest.raises(ValueError, match="reduction must be 'sum', 'mean', 'max' or 'min'"):
+        reduce(t, "median")
     with pytest.raises(TypeError, match="bool tensor is ambiguous"):
         reduce(torch.ones(2, dtype=torch.bool))
     with pytest.raises(TypeError, match="use_gather_object=True"):
