@@ -8,6 +8,13 @@ Example::
 """
 
 from .accelerator import Accelerator, PrepareError
+from .callbacks import (
+    Callback,
+    CallbackError,
+    EarlyStopping,
+    GradientNormMonitor,
+    ThroughputMonitor,
+)
 from .collectives import (
     broadcast,
     broadcast_object_list,
@@ -28,6 +35,9 @@ from .kwargs import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from .logger import get_logger
+from .memory import find_executable_batch_size, release_memory
+from .notebook import notebook_launcher
 from .random import set_seed
 from .state import DistributedType, ProcessState
 from .strategies import (
@@ -43,6 +53,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
     "AutocastKwargs",
+    "Callback",
+    "CallbackError",
     "CollectiveMismatchError",
     "CompileError",
     "DataLoaderConfiguration",
@@ -51,20 +63,27 @@ __all__ = [
     "DistributedType",
     "DummyOptim",
     "DummyScheduler",
+    "EarlyStopping",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
+    "GradientNormMonitor",
     "InitProcessGroupKwargs",
     "PrepareError",
     "ProcessState",
     "ProjectConfiguration",
+    "ThroughputMonitor",
     "TorchDynamoPlugin",
     "__version__",
     "broadcast",
     "broadcast_object_list",
+    "find_executable_batch_size",
     "gather",
     "gather_object",
+    "get_logger",
+    "notebook_launcher",
     "pad_across_processes",
     "reduce",
+    "release_memory",
     "send_to_device",
     "set_seed",
     "skip_first_batches",

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import collectives
+from .callbacks import CallbackRunner
 from .checkpoint import Checkpointer
 from .checkpoint.api import CheckpointingMixin
 from .checkpoint.manager import LoadHook, SaveHook
@@ -65,6 +66,8 @@ from .strategies import (
     available_strategies,
     get_strategy_class,
 )
+from .tracking import GeneralTracker, resolve_log_with
+from .tracking.api import TrackingMixin
 from .tree import map_tensors, tensor_leaves
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -91,7 +94,7 @@ def _is_scheduler(obj: Any) -> bool:
     )
 
 
-class Accelerator(ProcessControl, CheckpointingMixin):
+class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
     """Runs one training script on a CPU, several processes, GPUs or machines.
 
     Args:
@@ -115,6 +118,10 @@ class Accelerator(ProcessControl, CheckpointingMixin):
             ``distributed_type: FSDP`` with an ``fsdp_config`` block in the config file).
         deepspeed_plugin: train with DeepSpeed ZeRO using these options (also chosen by
             ``distributed_type: DEEPSPEED`` with a ``deepspeed_config`` block).
+        log_with: experiment trackers ("csv", "tensorboard", "wandb", "mlflow", "all" or
+            GeneralTracker objects), started by :meth:`init_trackers`.
+        callbacks: objects whose hook methods are called during training (see
+            :class:`slipstream.Callback`).
     """
 
     def __init__(
@@ -135,6 +142,8 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         project_config: ProjectConfiguration | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
+        log_with: str | GeneralTracker | Sequence[str | GeneralTracker] | None = None,
+        callbacks: Sequence[Any] | None = None,
     ) -> None:
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
@@ -188,7 +197,14 @@ class Accelerator(ProcessControl, CheckpointingMixin):
             self.precision.scaler,
             self.strategy if getattr(self.strategy, "steps_in_backward", False) else None,
         )
+        self.callbacks = CallbackRunner(callbacks or ())
+        self.coordinator.notify = lambda hook, *args: self.callbacks.call(hook, self, *args)
+        self.log_with = resolve_log_with(log_with)
+        self.trackers: list[GeneralTracker] = []
         self.active_loaders = ActiveLoaders()
+        self.active_loaders.on_pass_end = lambda loader: self.callbacks.call(
+            "on_dataloader_epoch_end", self, loader
+        )
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -486,9 +502,16 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         shorter final cycle of an epoch).
         """
         self.coordinator.finish()  # a step left open by optimizers that did not all step
+        self.callbacks.call("on_before_backward", self, loss)
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.step_state.loss_divisor
         self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
+        self.callbacks.call("on_after_backward", self)
+
+    def call(self, hook: str, *args: Any, **kwargs: Any) -> None:
+        """Fire ``hook(accelerator, *args, **kwargs)`` on every callback that defines it
+        (for loop-level events such as ``on_validation_epoch_end``)."""
+        self.callbacks.call(hook, self, *args, **kwargs)
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
@@ -637,10 +660,6 @@ class Accelerator(ProcessControl, CheckpointingMixin):
         return [None for _ in objects]
 
     clear = free_memory
-
-    def end_training(self) -> None:
-        """Finish the run: wait for every process (trackers are closed here when used)."""
-        self.wait_for_everyone()
 
     def __repr__(self) -> str:
         return (

@@ -94,6 +94,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.step_state.sync_gradients and self.coordinator.engine is None:
+            self.coordinator.notify("on_before_zero_grad", self)
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
@@ -126,6 +127,8 @@ class StepCoordinator:
         #: A strategy whose engine steps the optimizer inside backward (DeepSpeed); the
         #: prepared optimizers' step() then only records the outcome.
         self.engine = engine
+        #: Fires callback hooks (set by the Accelerator): notify(hook, optimizer).
+        self.notify: Callable[..., None] = lambda hook, *args: None
         self.optimizers: list[AcceleratedOptimizer] = []
         self.pending: list[AcceleratedOptimizer] = []
 
@@ -136,6 +139,7 @@ class StepCoordinator:
         if any(o is optimizer for o in self.pending):
             self.finish()  # it steps again: the previous step is over
         inner = optimizer.optimizer
+        self.notify("on_before_optimizer_step", optimizer)
         if self.engine is not None:
             result = None
         elif self.scaler is not None:
@@ -145,6 +149,7 @@ class StepCoordinator:
         self.pending.append(optimizer)
         if all(any(o is p for p in self.pending) for o in self.optimizers):
             self.finish()
+        self.notify("on_after_optimizer_step", optimizer)
         return result
 
     def finish(self) -> None:

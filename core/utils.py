@@ -19,6 +19,8 @@ from .kwargs import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from .memory import find_executable_batch_size, release_memory
+from .notebook import notebook_launcher
 from .random import set_seed
 from .state import DistributedType
 from .strategies import (
@@ -27,10 +29,12 @@ from .strategies import (
     DummyScheduler,
     FullyShardedDataParallelPlugin,
 )
+from .tracking import CSVTracker, GeneralTracker, MLflowTracker, TensorBoardTracker, WandBTracker
 from .tree import send_to_device
 
 __all__ = [
     "AutocastKwargs",
+    "CSVTracker",
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
@@ -38,16 +42,23 @@ __all__ = [
     "DummyOptim",
     "DummyScheduler",
     "FullyShardedDataParallelPlugin",
+    "GeneralTracker",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
+    "MLflowTracker",
     "ProjectConfiguration",
+    "TensorBoardTracker",
     "TorchDynamoPlugin",
+    "WandBTracker",
     "broadcast",
     "broadcast_object_list",
+    "find_executable_batch_size",
     "gather",
     "gather_object",
+    "notebook_launcher",
     "pad_across_processes",
     "reduce",
+    "release_memory",
     "send_to_device",
     "set_seed",
     "skip_first_batches",

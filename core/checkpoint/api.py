@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..callbacks import CallbackRunner
 from ..kwargs import ProjectConfiguration
 from ..optimizer import AcceleratedOptimizer, StepCoordinator
 from ..scheduler import AcceleratedScheduler
@@ -52,6 +53,7 @@ class CheckpointingMixin:
     _custom_objects: list[Any]
     _save_hooks: dict[int, SaveHook]
     _load_hooks: dict[int, LoadHook]
+    callbacks: CallbackRunner
 
     @property
     def scaler(self) -> Any:
@@ -85,7 +87,28 @@ class CheckpointingMixin:
             load_hooks=list(self._load_hooks.values()),
             strategy_name=self.strategy.name,
             mixed_precision=self.mixed_precision,
+            extra_state=self._callback_state,
+            restore_extra=self._restore_callback_state,
         )
+
+    def _callback_state(self) -> dict[str, Any]:
+        """Each callback's ``on_save_checkpoint`` fills its own dict (keyed by class and
+        position)."""
+        state: dict[str, Any] = {}
+        for key, callback in zip(
+            self.callbacks.state_keys(), self.callbacks.callbacks, strict=True
+        ):
+            if hasattr(callback, "on_save_checkpoint"):
+                state[key] = {}
+                self.callbacks.call_one(callback, "on_save_checkpoint", self, state[key])
+        return state
+
+    def _restore_callback_state(self, state: dict[str, Any]) -> None:
+        for key, callback in zip(
+            self.callbacks.state_keys(), self.callbacks.callbacks, strict=True
+        ):
+            if key in state and hasattr(callback, "on_load_checkpoint"):
+                self.callbacks.call_one(callback, "on_load_checkpoint", self, state[key])
 
     def save_state(self, output_dir: str | None = None, **_: Any) -> str:
         """Save everything needed to resume training exactly; returns where it went.

@@ -62,6 +62,9 @@ class TrainingObjects:
     load_hooks: list[LoadHook] = field(default_factory=list)
     strategy_name: str = ""
     mixed_precision: str = "no"
+    #: Extra state to keep (the callbacks'), and where to hand it back on load.
+    extra_state: Callable[[], dict[str, Any]] | None = None
+    restore_extra: Callable[[dict[str, Any]], None] | None = None
 
 
 class Checkpointer:
@@ -191,6 +194,7 @@ class Checkpointer:
         models: list[nn.Module],
         weights: list[dict[str, Any]],
     ) -> None:
+        extra = objects.extra_state() if objects.extra_state is not None else {}
         for index, (model, state_dict) in enumerate(zip(models, weights, strict=True)):
             self.strategy.save_model_checkpoint(model, state_dict, writer, index)
         for index, optimizer in enumerate(objects.optimizers):
@@ -203,6 +207,8 @@ class Checkpointer:
                 writer.save_object("scaler.pt", objects.scaler.state_dict())
             for index, obj in enumerate(objects.custom):
                 writer.save_object(f"custom_checkpoint_{index}.pkl", obj.state_dict())
+            if extra:
+                writer.save_object("callbacks.pkl", extra)
         writer.save_object(f"random_states_{self.state.process_index}.pkl", capture_rng_states())
 
     def _manifest(
@@ -281,6 +287,11 @@ class Checkpointer:
             loader.resume_position(position)  # validates before anything changes
             apply.append(_applier(loader.load_state_dict, position))
         rng = self._rng_states(reader, manifest)
+        if objects.restore_extra is not None and reader.storage.exists(
+            reader.path("callbacks.pkl")
+        ):
+            saved_extra = reader.load_object("callbacks.pkl", "callback state")
+            apply.append(_applier(objects.restore_extra, saved_extra))
 
         for action in apply:
             action()

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +62,8 @@ class ActiveLoaders:
 
     def __init__(self) -> None:
         self.stack: list[PreparedDataLoader] = []
+        #: Called with a loader when it finished a whole pass (the Accelerator's callbacks).
+        self.on_pass_end: Callable[[PreparedDataLoader], None] | None = None
 
     @property
     def innermost(self) -> PreparedDataLoader | None:
@@ -269,6 +271,8 @@ class PreparedDataLoader(DataLoader[Any]):
             self.batches_yielded = 0
         finally:
             self.active_loaders.pop(self)
+        if self.active_loaders.on_pass_end is not None:
+            self.active_loaders.on_pass_end(self)
 
     def _place(self, batch: Any) -> Any:
         if self.device is None:

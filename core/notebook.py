@@ -1,0 +1,74 @@
+"""``notebook_launcher``: start a function on several processes (a notebook's training).
+
+Built on torchrun's elastic agent like ``slipstream launch``: the processes form one group
+on a free local port, a failure stops all of them and raises here.
+
+Example::
+
+    def training_function(lr):
+        accelerator = Accelerator()
+        ...
+
+    notebook_launcher(training_function, (3e-4,), num_processes=2)
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .env import export_for_workers
+
+
+def _in_notebook() -> bool:
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    num_processes: int | None = None,
+    mixed_precision: str = "no",
+    use_cpu: bool = False,
+    max_restarts: int = 0,
+    start_method: str | None = None,
+) -> list[Any]:
+    """Run ``function(*args)`` on ``num_processes`` processes; returns each one's result.
+
+    Processes are forked in notebooks (so functions defined in a cell work) and spawned
+    elsewhere (the function must then be importable).
+    """
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if num_processes is None:
+        num_processes = (
+            torch.cuda.device_count() if torch.cuda.is_available() and not use_cpu else 1
+        )
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be at least 1, got {num_processes}")
+    method = start_method or ("fork" if _in_notebook() else "spawn")
+    export_for_workers(
+        {"mixed_precision": mixed_precision, "use_cpu": use_cpu},
+        {"CUDA_VISIBLE_DEVICES": ""} if use_cpu else {},
+    )
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=num_processes,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method=method,
+    )
+    try:
+        results = elastic_launch(config, function)(*args)
+    except ChildFailedError as failure:
+        raise RuntimeError(f"notebook_launcher: a process failed\n{failure.format_msg()}") from None
+    return [results[rank] for rank in sorted(results)]

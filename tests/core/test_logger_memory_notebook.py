@@ -1,0 +1,80 @@
+"""get_logger, find_executable_batch_size and notebook_launcher."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+
+from slipstream import Accelerator, find_executable_batch_size, get_logger, notebook_launcher
+from tests.distributed import run_distributed
+
+
+def _log_lines() -> str:
+    Accelerator()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = get_logger("slipstream.test", log_level="INFO")
+    logger.logger.addHandler(handler)
+    logger.info("once")
+    logger.info("everyone", main_process_only=False)
+    logger.info("in turn", main_process_only=False, in_order=True)
+    logger.logger.removeHandler(handler)
+    return stream.getvalue()
+
+
+def test_logger_prints_once_unless_asked_per_process():
+    r0, r1 = run_distributed(_log_lines)
+    assert r0 == "[rank 0] once\n[rank 0] everyone\n[rank 0] in turn\n"
+    assert r1 == "[rank 1] everyone\n[rank 1] in turn\n"
+
+
+def test_find_executable_batch_size_halves_after_out_of_memory():
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=128)
+    def train(batch_size, factor):
+        tried.append(batch_size)
+        if batch_size > 16:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch_size * factor
+
+    assert train(2) == 32 and tried == [128, 64, 32, 16]
+
+    @find_executable_batch_size(starting_batch_size=4)
+    def never_fits(batch_size):
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    with pytest.raises(RuntimeError, match="even with batch_size=1"):
+        never_fits()
+
+    @find_executable_batch_size(starting_batch_size=4)
+    def other_error(batch_size):
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError, match="not memory"):
+        other_error()
+    with pytest.raises(TypeError, match="must take batch_size as its first argument"):
+        find_executable_batch_size(lambda size: size)
+
+
+def launched(scale):
+    acc = Accelerator()
+    total = acc.reduce(torch.tensor([float(acc.process_index + 1)]), "sum")
+    return {"rank": acc.process_index, "world": acc.num_processes, "sum": total.item() * scale}
+
+
+def test_notebook_launcher_runs_a_function_on_two_processes():
+    results = notebook_launcher(launched, (10,), num_processes=2, use_cpu=True)
+    assert results == [{"rank": 0, "world": 2, "sum": 30.0}, {"rank": 1, "world": 2, "sum": 30.0}]
+
+
+def failing():
+    raise ValueError("inside the notebook function")
+
+
+def test_notebook_launcher_reports_a_failure():
+    with pytest.raises(RuntimeError, match="a process failed"):
+        notebook_launcher(failing, num_processes=2, use_cpu=True)
