@@ -8,7 +8,8 @@ several CPU processes, or on GPUs, unchanged:
     torchrun --nproc_per_node 2 examples/train.py
 
 Options: --epochs N, --batch_size N, --lr X, --quick (a few steps, for tests),
---save PATH (write the final weights from the main process).
+--save PATH (write the final weights from the main process), --plot loss.png (a chart of
+the training loss, needs matplotlib).
 """
 
 from __future__ import annotations
@@ -37,6 +38,26 @@ def make_dataset(samples: int, generator: torch.Generator) -> TensorDataset:
     return TensorDataset(inputs, targets)
 
 
+def plot_losses(losses: list[float], path: str, processes: int) -> None:
+    """Save a chart of the per-step training loss (main process's batches)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(range(1, len(losses) + 1), losses, linewidth=1)
+    axes.set(
+        xlabel="optimizer step",
+        ylabel="training loss",
+        yscale="log",
+        title=f"examples/train.py on {processes} process(es)",
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"loss chart written to {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
@@ -44,6 +65,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--quick", action="store_true", help="one short epoch (tests)")
     parser.add_argument("--save", default=None, help="write the final weights here")
+    parser.add_argument("--plot", default=None, help="write a PNG chart of the loss here")
     args = parser.parse_args()
 
     accelerator = Accelerator()
@@ -67,6 +89,7 @@ def main() -> None:
         model, optimizer, training_dataloader, eval_dataloader, scheduler
     )
 
+    losses: list[float] = []
     for epoch in range(epochs):
         model.train()
         progress = tqdm(
@@ -82,6 +105,7 @@ def main() -> None:
             accelerator.backward(loss)
             optimizer.step()
             scheduler.step()
+            losses.append(loss.item())
 
         model.eval()
         correct = seen = 0
@@ -96,6 +120,8 @@ def main() -> None:
             f"({accelerator.num_processes} processes, {accelerator.device})"
         )
 
+    if args.plot and accelerator.is_main_process:
+        plot_losses(losses, args.plot, accelerator.num_processes)
     if args.save:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:

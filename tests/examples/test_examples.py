@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed import REPO, run_cli, run_python
@@ -12,16 +13,18 @@ TRAIN = str(REPO / "examples" / "train.py")
 
 
 def test_train_example_on_two_cpu_processes(tmp_path: Path):
-    weights = tmp_path / "weights.pt"
+    weights, chart = tmp_path / "weights.pt", tmp_path / "loss.png"
     result = run_cli(
-        "launch", "--num_processes", "2", "--cpu", TRAIN, "--quick", "--save", str(weights)
-    )
+        "launch", "--num_processes", "2", "--cpu", TRAIN, "--quick", "--save", str(weights),
+        "--plot", str(chart),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if "eval accuracy" in line]
     assert len(lines) == 1, "only the main process prints"
     assert "on 1001 samples (2 processes, cpu)" in lines[0]
     state = torch.load(weights, weights_only=True)
     assert set(state) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_train_example_on_one_process():
@@ -38,3 +41,80 @@ def test_evaluate_metrics_example_is_exact_on_two_processes():
     line_one = next(line for line in one.stdout.splitlines() if "accuracy" in line)
     line_two = next(line for line in two.stdout.splitlines() if "accuracy" in line)
     assert line_one.replace("(1 processes)", "") == line_two.replace("(2 processes)", "")
+
+
+def example(name: str) -> str:
+    return str(REPO / "examples" / name)
+
+
+def test_resume_example_continues_where_it_stopped(tmp_path: Path):
+    project = str(tmp_path / "run")
+    straight = run_cli(
+        "launch",
+        "-n",
+        "2",
+        "--cpu",
+        example("resume.py"),
+        "--quick",
+        "--project_dir",
+        str(tmp_path / "straight"),
+    )
+    stopped = run_cli(
+        "launch",
+        "-n",
+        "2",
+        "--cpu",
+        example("resume.py"),
+        "--quick",
+        "--project_dir",
+        project,
+        "--stop_after",
+        "10",
+    )
+    resumed = run_cli(
+        "launch", "-n", "2", "--cpu", example("resume.py"), "--quick", "--project_dir", project
+    )
+    assert straight.returncode == stopped.returncode == resumed.returncode == 0, resumed.stderr
+    assert "stopping at step 10" in stopped.stdout
+    assert "resumed from" in resumed.stdout and "at step 8" in resumed.stdout
+    final = [line for line in straight.stdout.splitlines() if "checksum" in line]
+    assert final and final == [line for line in resumed.stdout.splitlines() if "checksum" in line]
+
+
+def test_distributed_inference_example():
+    result = run_cli("launch", "-n", "2", "--cpu", example("distributed_inference.py"), "--quick")
+    assert result.returncode == 0, result.stderr
+    assert "101 answers from 2 processes" in result.stdout
+
+
+def test_fsdp_example(tmp_path: Path):
+    result = run_cli(
+        "launch",
+        "-n",
+        "2",
+        "--cpu",
+        example("fsdp_train.py"),
+        "--quick",
+        "--plugin",
+        "--save",
+        str(tmp_path / "w"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(FSDP)" in result.stdout and (tmp_path / "w" / "model.safetensors").exists()
+
+
+def test_deepspeed_example(tmp_path: Path):
+    pytest.importorskip("deepspeed")
+    result = run_cli(
+        "launch",
+        "-n",
+        "2",
+        "--cpu",
+        example("deepspeed_zero3.py"),
+        "--quick",
+        "--save",
+        str(tmp_path / "w"),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "16-bit weights saved" in result.stdout
