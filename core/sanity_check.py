@@ -12,6 +12,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,7 +102,15 @@ CHECKS: list[tuple[str, Callable[[Accelerator], str]]] = [
 def main() -> int:
     acc = Accelerator()
     failures = 0
-    for name, check in CHECKS:
+    checks: Any = CHECKS
+    if acc.is_main_process:
+        try:
+            from tqdm.auto import tqdm
+
+            checks = tqdm(CHECKS, desc="sanity checks", unit="check", leave=False)
+        except ImportError:
+            pass
+    for name, check in checks:
         try:
             detail, ok = check(acc), True
         except Exception as error:

@@ -55,6 +55,7 @@ def save_weights(
     max_shard_size: int | str = "10GB",
     safe_serialization: bool = True,
     dtype: torch.dtype | None = None,
+    progress: bool = False,
 ) -> list[str]:
     """Write ``state`` into the folder ``destination``; returns the file names written.
 
@@ -87,7 +88,7 @@ def save_weights(
             storage.remove(storage.join(folder, old))
     weight_map: dict[str, str] = {}
     total = 0
-    for name, keys in zip(names, shards or [[]], strict=True):
+    for name, keys in _progress(zip(names, shards or [[]], strict=True), progress, len(names)):
         part = {key: state[key] for key in keys}
         total += sum(_nbytes(t, dtype) for t in part.values())
         path = storage.join(folder, name)
@@ -101,6 +102,17 @@ def save_weights(
         storage.write_text(storage.join(folder, index_name), json.dumps(index, indent=2))
         names.append(index_name)
     return names
+
+
+def _progress(items: Any, enabled: bool, total: int) -> Any:
+    """A tqdm bar over ``items`` when asked and tqdm is installed."""
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, total=total, desc="writing weights", unit="file")
 
 
 def _cast(part: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         safe_serialization=not args.unsafe_serialization,
         dtype=_DTYPES[args.dtype],
+        progress=True,
     )
     total = sum(t.numel() for t in state.values())
     print(
