@@ -7,48 +7,52 @@ Example::
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 """
 
-from .accelerator import Accelerator, PrepareError
-from .callbacks import (
-    Callback,
-    CallbackError,
-    EarlyStopping,
-    GradientNormMonitor,
-    ThroughputMonitor,
-)
-from .collectives import (
-    broadcast,
-    broadcast_object_list,
-    gather,
-    gather_object,
-    pad_across_processes,
-    reduce,
-)
-from .compile import CompileError
-from .data import skip_first_batches
-from .debug import CollectiveMismatchError
-from .kwargs import (
-    AutocastKwargs,
-    DataLoaderConfiguration,
-    DistributedDataParallelKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    ProjectConfiguration,
-    TorchDynamoPlugin,
-)
-from .logger import get_logger
-from .memory import find_executable_batch_size, release_memory
-from .notebook import notebook_launcher
-from .random import set_seed
-from .state import DistributedType, ProcessState
-from .strategies import (
-    DeepSpeedPlugin,
-    DummyOptim,
-    DummyScheduler,
-    FullyShardedDataParallelPlugin,
-)
-from .tree import send_to_device
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# Public names and the module each lives in; imported on first use so that
+# ``import slipstream`` costs about as much as ``import torch`` (benchmarks/startup.py).
+_EXPORTS = {
+    "Accelerator": "accelerator",
+    "AutocastKwargs": "kwargs",
+    "Callback": "callbacks",
+    "CallbackError": "callbacks",
+    "CollectiveMismatchError": "debug",
+    "CompileError": "compile",
+    "DataLoaderConfiguration": "kwargs",
+    "DeepSpeedPlugin": "strategies",
+    "DistributedDataParallelKwargs": "kwargs",
+    "DistributedType": "state",
+    "DummyOptim": "strategies",
+    "DummyScheduler": "strategies",
+    "EarlyStopping": "callbacks",
+    "FullyShardedDataParallelPlugin": "strategies",
+    "GradScalerKwargs": "kwargs",
+    "GradientNormMonitor": "callbacks",
+    "InitProcessGroupKwargs": "kwargs",
+    "PrepareError": "accelerator",
+    "ProcessState": "state",
+    "ProjectConfiguration": "kwargs",
+    "ThroughputMonitor": "callbacks",
+    "TorchDynamoPlugin": "kwargs",
+    "broadcast": "collectives",
+    "broadcast_object_list": "collectives",
+    "find_executable_batch_size": "memory",
+    "gather": "collectives",
+    "gather_object": "collectives",
+    "get_logger": "logger",
+    "notebook_launcher": "notebook",
+    "pad_across_processes": "collectives",
+    "reduce": "collectives",
+    "release_memory": "memory",
+    "send_to_device": "tree",
+    "set_seed": "random",
+    "skip_first_batches": "data",
+}
 
 __all__ = [
     "Accelerator",
@@ -88,3 +92,16 @@ __all__ = [
     "set_seed",
     "skip_first_batches",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'slipstream' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from . import collectives
+from .active_loaders import ActiveLoaders
 from .callbacks import CallbackRunner
-from .checkpoint import Checkpointer
 from .checkpoint.api import CheckpointingMixin
-from .checkpoint.manager import LoadHook, SaveHook
 from .compile import check_backend, compile_model, normalise_backend
-from .data import ActiveLoaders, PreparedDataLoader, prepare_data_loader, skip_first_batches
 from .extensions import find_preparer
 from .kwargs import (
     AutocastKwargs,
@@ -70,7 +68,25 @@ from .tracking import GeneralTracker, resolve_log_with
 from .tracking.api import TrackingMixin
 from .tree import map_tensors, tensor_leaves
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from .checkpoint.manager import LoadHook, SaveHook
+    from .data import PreparedDataLoader
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _is_dataloader(obj: Any) -> bool:
+    # No DataLoader can exist unless torch.utils.data was imported: check without importing.
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and isinstance(obj, data.DataLoader)
+
+
+def _is_prepared_loader(obj: Any) -> bool:
+    loader = sys.modules.get("slipstream.data.loader")
+    return loader is not None and isinstance(obj, loader.PreparedDataLoader)
+
 
 # distributed_type values in the launcher's configuration -> strategy registry names.
 _STRATEGY_FOR_TYPE = {
@@ -212,7 +228,6 @@ class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
-        self.checkpointer = Checkpointer(self.state, self.strategy, self.project_configuration)
         self._custom_objects: list[Any] = []
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}
@@ -378,8 +393,7 @@ class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
             if getattr(self.strategy, "steps_in_backward", False):
                 # DeepSpeed builds its config from the batch size and schedulers it sees.
                 context = {
-                    "dataloaders": [a for a in args if isinstance(a, DataLoader)]
-                    + list(self._dataloaders),
+                    "dataloaders": [a for a in args if _is_dataloader(a)] + list(self._dataloaders),
                     "schedulers": [a for a in args if _is_scheduler(a)],
                 }
             wrapped, optimizers = self.strategy.setup(
@@ -399,7 +413,7 @@ class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
                 self._optimizers.append(prepared)
 
         for i, obj in enumerate(args):
-            if isinstance(obj, DataLoader):
+            if _is_dataloader(obj):
                 results[i] = self.prepare_data_loader(obj, device_placement=placements[i])
             elif _is_scheduler(obj):
                 results[i] = self.prepare_scheduler(obj)
@@ -419,7 +433,9 @@ class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
                     "pass each object once"
                 )
             seen.add(id(obj))
-            if isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader)):
+            if isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler)) or _is_prepared_loader(
+                obj
+            ):
                 raise PrepareError(
                     f"argument {position} ({type(obj).__name__}) was already prepared; pass the "
                     "original object, or keep using the prepared one"
@@ -459,6 +475,8 @@ class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
         self, data_loader: DataLoader[Any], device_placement: bool | None = None
     ) -> PreparedDataLoader:
         """Shard ``data_loader`` over the processes and place its batches on the device."""
+        from .data import prepare_data_loader
+
         self._check_prepare_arguments([data_loader])
         placement = self.device_placement if device_placement is None else device_placement
         prepared = prepare_data_loader(
@@ -639,6 +657,8 @@ class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
 
     def skip_first_batches(self, dataloader: DataLoader[Any], num_batches: int = 0) -> Any:
         """The loader, set to start its next pass after ``num_batches`` batches."""
+        from .data import skip_first_batches
+
         return skip_first_batches(dataloader, num_batches)
 
     def free_memory(self, *objects: Any) -> list[None]:

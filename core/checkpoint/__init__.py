@@ -1,17 +1,28 @@
-"""Checkpoints: exact-resume training state, atomic commits, model weights, any fsspec URL."""
+"""Checkpoints: exact-resume training state, atomic commits, model weights, any fsspec URL.
 
-from .commit import MARKER, CheckpointError
-from .manager import Checkpointer, TrainingObjects
-from .storage import Storage, StorageError
-from .weights import load_weights, save_weights
+Submodules are imported on first use, so ``import slipstream`` does not load fsspec.
+"""
 
-__all__ = [
-    "MARKER",
-    "CheckpointError",
-    "Checkpointer",
-    "Storage",
-    "StorageError",
-    "TrainingObjects",
-    "load_weights",
-    "save_weights",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "MARKER": "commit",
+    "CheckpointError": "commit",
+    "Checkpointer": "manager",
+    "TrainingObjects": "manager",
+    "Storage": "storage",
+    "StorageError": "storage",
+    "load_weights": "weights",
+    "save_weights": "weights",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(name)

@@ -6,7 +6,7 @@ and :mod:`slipstream.checkpoint.weights`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,10 +15,12 @@ from ..callbacks import CallbackRunner
 from ..kwargs import ProjectConfiguration
 from ..optimizer import AcceleratedOptimizer, StepCoordinator
 from ..scheduler import AcceleratedScheduler
+from ..state import ProcessState
 from ..step import StepState
 from ..strategies import Strategy
-from .manager import Checkpointer, LoadHook, SaveHook, TrainingObjects
-from .weights import load_weights, save_weights
+
+if TYPE_CHECKING:
+    from .manager import Checkpointer, LoadHook, SaveHook, TrainingObjects
 
 
 class _HookHandle:
@@ -39,8 +41,19 @@ class _HookHandle:
 class CheckpointingMixin:
     """save_state/load_state and model weights for the Accelerator."""
 
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """Built on first use (keeps fsspec and safetensors out of ``import slipstream``)."""
+        existing = self.__dict__.get("_checkpointer")
+        if existing is None:
+            from .manager import Checkpointer
+
+            existing = Checkpointer(self.state, self.strategy, self.project_configuration)
+            self.__dict__["_checkpointer"] = existing
+        return existing
+
     # Provided by the Accelerator.
-    checkpointer: Checkpointer
+    state: ProcessState
     project_configuration: ProjectConfiguration
     strategy: Strategy
     step_state: StepState
@@ -75,6 +88,8 @@ class CheckpointingMixin:
         return self.project_configuration.iteration
 
     def _training_objects(self) -> TrainingObjects:
+        from .manager import TrainingObjects
+
         return TrainingObjects(
             models=[getattr(m, "_orig_mod", m) for m in self._models],
             optimizers=[opt.optimizer for opt in self._optimizers],
@@ -165,6 +180,8 @@ class CheckpointingMixin:
         """Write the model's full weights as safetensors (sharded with an index when larger
         than ``max_shard_size``; ``dtype=torch.bfloat16`` for 16-bit weights) from the main
         process. Must be called on every process (sharded strategies gather first)."""
+        from .weights import save_weights
+
         state_dict = self.get_state_dict(model)
         self.checkpointer._on_main(
             lambda: save_weights(
@@ -178,6 +195,8 @@ class CheckpointingMixin:
 
     def load_model(self, model: nn.Module, load_directory: str, strict: bool = True) -> None:
         """Load weights written by :meth:`save_model` (or Hugging Face) into ``model``."""
+        from .weights import load_weights
+
         target = self.unwrap_model(model)
         target.load_state_dict(load_weights(load_directory), strict=strict)
 

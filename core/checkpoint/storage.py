@@ -16,9 +16,10 @@ import os
 import posixpath
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import fsspec
+if TYPE_CHECKING:
+    import fsspec
 
 
 class StorageError(OSError):
@@ -35,6 +36,8 @@ class Storage:
     @classmethod
     def for_url(cls, url: str | os.PathLike[str]) -> Storage:
         """The storage holding ``url`` (a local path or any fsspec URL)."""
+        import fsspec
+
         text = os.fspath(url)
         try:
             fs, root = fsspec.core.url_to_fs(text)

@@ -21,13 +21,14 @@ Example::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from ..active_loaders import ActiveLoaders
 from ..state import ProcessState
 from ..tree import send_to_device
 from .iterable import IterableDatasetShard
@@ -51,35 +52,6 @@ _COPIED_ARGUMENTS = (
 
 class DataLoaderPreparationError(ValueError):
     """A DataLoader cannot be sharded as configured."""
-
-
-class ActiveLoaders:
-    """Which prepared loaders are being iterated right now (innermost last).
-
-    The Accelerator owns one; ``gather_for_metrics`` and gradient synchronisation read the
-    innermost loader's ``end_of_dataloader`` and tail information.
-    """
-
-    def __init__(self) -> None:
-        self.stack: list[PreparedDataLoader] = []
-        #: Called with a loader when it finished a whole pass (the Accelerator's callbacks).
-        self.on_pass_end: Callable[[PreparedDataLoader], None] | None = None
-
-    @property
-    def innermost(self) -> PreparedDataLoader | None:
-        return self.stack[-1] if self.stack else None
-
-    @property
-    def end_of_dataloader(self) -> bool:
-        loader = self.innermost
-        return loader is not None and loader.end_of_dataloader
-
-    def push(self, loader: PreparedDataLoader) -> None:
-        self.stack.append(loader)
-
-    def pop(self, loader: PreparedDataLoader) -> None:
-        if loader in self.stack:
-            self.stack.remove(loader)
 
 
 def _copied_arguments(loader: DataLoader[Any]) -> dict[str, Any]:

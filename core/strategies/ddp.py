@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from .base import Strategy
 
@@ -21,6 +21,8 @@ class DDPStrategy(Strategy):
     name: ClassVar[str] = "ddp"
 
     def wrap_model(self, model: nn.Module, *, device_placement: bool) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
         if isinstance(model, DistributedDataParallel):
             raise ValueError(
                 "prepare() got a model already wrapped in DistributedDataParallel; pass the "
@@ -35,12 +37,20 @@ class DDPStrategy(Strategy):
         return DistributedDataParallel(model, device_ids=device_ids, **self.options)
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DistributedDataParallel) else model
+        wrapped = _ddp_class()
+        return model.module if wrapped is not None and isinstance(model, wrapped) else model
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        if isinstance(model, DistributedDataParallel):
+        wrapped = _ddp_class()
+        if wrapped is not None and isinstance(model, wrapped):
             with model.no_sync():
                 yield
         else:
             yield
+
+
+def _ddp_class() -> Any:
+    """DistributedDataParallel if anything imported it yet (no model can be wrapped before)."""
+    module = sys.modules.get("torch.nn.parallel.distributed")
+    return getattr(module, "DistributedDataParallel", None)

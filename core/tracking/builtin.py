@@ -8,8 +8,6 @@ import json
 import os
 from typing import Any, ClassVar
 
-import yaml
-
 from .base import GeneralTracker, scalar
 
 
@@ -29,6 +27,8 @@ class CSVTracker(GeneralTracker):
         self.rows: list[dict[str, Any]] = []
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
+        import yaml
+
         with open(os.path.join(self.folder, "hparams.yaml"), "w") as handle:
             yaml.safe_dump(json.loads(json.dumps(values, default=str)), handle, sort_keys=True)
 
@@ -71,6 +71,8 @@ class TensorBoardTracker(GeneralTracker):
         return self.writer
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
+        import yaml
+
         flat = {
             k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()
         }

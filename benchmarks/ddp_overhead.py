@@ -1,0 +1,230 @@
+"""Per-step time of a prepared DDP training loop versus the same loop written by hand.
+
+Runs on 2 CPU processes (torchrun). Every variant trains the same model on the same global
+batches; they run interleaved (a block of steps each, several rounds) and the median
+per-step time of each is compared with the hand-written torch.distributed + DDP loop. Hugging
+Face Accelerate and Lightning Fabric are included when installed. The final weights of the
+slipstream and hand-written runs must be equal.
+
+    python benchmarks/ddp_overhead.py            # tiny and medium model
+    python benchmarks/ddp_overhead.py --quick    # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+SIZES = {"tiny": (32, 2), "medium": (1024, 6)}  # (width, layers)
+PER_PROCESS_BATCH = 16
+
+
+def _model(width: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def _data(width: int, steps: int, world: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    count = steps * world * PER_PROCESS_BATCH
+    return TensorDataset(
+        torch.randn(count, width, generator=generator),
+        torch.randn(count, width, generator=generator),
+    )
+
+
+class ContiguousShard(Sampler[int]):
+    """Rank r takes the r-th contiguous batch of every global batch (slipstream's layout)."""
+
+    def __init__(self, length: int, rank: int, world: int) -> None:
+        self.indices = [
+            i
+            for start in range(0, length, world * PER_PROCESS_BATCH)
+            for i in range(start + rank * PER_PROCESS_BATCH, start + (rank + 1) * PER_PROCESS_BATCH)
+        ]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class HandWritten:
+    name = "torch"
+
+    def __init__(self, width: int, layers: int, steps: int) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.model = nn.parallel.DistributedDataParallel(_model(width, layers))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        data = _data(width, steps, world)
+        self.loader = DataLoader(
+            data, batch_size=PER_PROCESS_BATCH, sampler=ContiguousShard(len(data), rank, world)
+        )
+
+    def step(self, batch: Any) -> None:
+        x, y = batch
+        self.optimizer.zero_grad()
+        F.mse_loss(self.model(x), y).backward()
+        self.optimizer.step()
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.module.parameters()]
+
+
+class Slipstream(HandWritten):
+    name = "slipstream"
+
+    def __init__(self, width: int, layers: int, steps: int) -> None:
+        from slipstream import Accelerator
+
+        self.accelerator = Accelerator()
+        model = _model(width, layers)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        loader = DataLoader(
+            _data(width, steps, dist.get_world_size()), batch_size=PER_PROCESS_BATCH
+        )
+        self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
+
+    def step(self, batch: Any) -> None:
+        x, y = batch
+        self.optimizer.zero_grad()
+        self.accelerator.backward(F.mse_loss(self.model(x), y))
+        self.optimizer.step()
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.accelerator.unwrap_model(self.model).parameters()]
+
+
+class HFAccelerate(Slipstream):
+    name = "accelerate"
+
+    def __init__(self, width: int, layers: int, steps: int) -> None:
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator()
+        model = _model(width, layers)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        loader = DataLoader(
+            _data(width, steps, dist.get_world_size()), batch_size=PER_PROCESS_BATCH
+        )
+        self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
+
+
+class Fabric(Slipstream):
+    name = "fabric"
+
+    def __init__(self, width: int, layers: int, steps: int) -> None:
+        from lightning.fabric import Fabric as LightningFabric
+
+        self.fabric = LightningFabric(
+            accelerator="cpu", devices=dist.get_world_size(), strategy="ddp"
+        )
+        self.fabric._launched = True  # the processes exist already (torchrun)
+        model = _model(width, layers)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.model, self.optimizer = self.fabric.setup(model, optimizer)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        data = _data(width, steps, world)
+        loader = DataLoader(
+            data, batch_size=PER_PROCESS_BATCH, sampler=ContiguousShard(len(data), rank, world)
+        )
+        self.loader = self.fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+
+    def step(self, batch: Any) -> None:
+        x, y = batch
+        self.optimizer.zero_grad()
+        self.fabric.backward(F.mse_loss(self.model(x), y))
+        self.optimizer.step()
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.module.parameters()]
+
+
+def worker(size: str, rounds: int, block: int) -> None:
+    dist.init_process_group("gloo")
+    width, layers = SIZES[size]
+    variants: list[type[HandWritten]] = [HandWritten, Slipstream]
+    if importlib.util.find_spec("accelerate"):
+        variants.append(HFAccelerate)
+    if importlib.util.find_spec("lightning"):
+        variants.append(Fabric)
+    runs = [kind(width, layers, rounds * block) for kind in variants]
+    iterators = [iter(run.loader) for run in runs]
+    times: dict[str, list[float]] = {run.name: [] for run in runs}
+    order = list(range(len(runs)))
+    for round_index in range(rounds):
+        # Rotate which variant goes first so none always runs right after another.
+        rotated = order[round_index % len(order) :] + order[: round_index % len(order)]
+        for run, iterator in ((runs[i], iterators[i]) for i in rotated):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(block):
+                run.step(next(iterator))
+            dist.barrier()
+            times[run.name].append((time.perf_counter() - start) / block)
+    reference = runs[0].weights()
+    equal = all(torch.equal(a, b) for a, b in zip(reference, runs[1].weights(), strict=True))
+    differences = {
+        run.name: max(
+            (a - b).abs().max().item() for a, b in zip(reference, run.weights(), strict=True)
+        )
+        for run in runs[1:]
+    }
+    if dist.get_rank() == 0:
+        medians = {name: statistics.median(values[1:] or values) for name, values in times.items()}
+        report = {"size": size, "medians": medians, "weights_equal": equal, "max_diff": differences}
+        print("BENCH " + json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", choices=sorted(SIZES))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--block", type=int, default=40)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.rounds, args.block)
+        return
+    rounds, block = (2, 3) if args.quick else (args.rounds, args.block)
+    for size in SIZES:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--standalone", __file__, "--worker", size, "--rounds", str(rounds),
+                   "--block", str(block)]  # fmt: skip
+        done = subprocess.run(
+            command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        line = next((ln for ln in done.stdout.splitlines() if ln.startswith("BENCH ")), None)
+        if line is None:
+            raise SystemExit(f"the {size} run failed:\n{done.stderr[-3000:]}")
+        result = json.loads(line[len("BENCH ") :])
+        base = result["medians"]["torch"]
+        for name, seconds in result["medians"].items():
+            if name != "torch":
+                diff = result["max_diff"][name]
+                print(
+                    f"{size:6s} {name:10s} step {seconds * 1e3:8.3f} ms vs torch "
+                    f"{base * 1e3:8.3f} ms  ratio {seconds / base:.3f}x  (weights differ by {diff:.1e})"
+                )
+        print(
+            f"{size:6s} final weights of slipstream and hand-written runs equal: {result['weights_equal']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""``gather_for_metrics`` over an evaluation set versus a raw ``all_gather`` of the same
+tensors, on 2 CPU processes (interleaved rounds, medians).
+
+    python benchmarks/gather_metrics.py
+    python benchmarks/gather_metrics.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def worker(samples: int, rounds: int) -> None:
+    from slipstream import Accelerator
+
+    accelerator = Accelerator()
+    data = TensorDataset(torch.randn(samples, 64), torch.randint(0, 10, (samples,)))
+    loader = accelerator.prepare(DataLoader(data, batch_size=64))
+    world = accelerator.num_processes
+    times: dict[str, list[float]] = {"gather_for_metrics": [], "all_gather": []}
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for batch in loader:
+            accelerator.gather_for_metrics(batch)
+        times["gather_for_metrics"].append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        for features, labels in loader:  # the same loading work in both variants
+            for tensor in (features, labels):
+                output = torch.empty(
+                    (world * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype
+                )
+                dist.all_gather_into_tensor(output, tensor)
+        times["all_gather"].append(time.perf_counter() - start)
+    if accelerator.is_main_process:
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        print("BENCH " + json.dumps(medians), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--samples", type=int, default=20001)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.samples, args.rounds)
+        return
+    samples, rounds = (2001, 2) if args.quick else (args.samples, args.rounds)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--standalone", __file__, "--worker", "--samples", str(samples),
+               "--rounds", str(rounds)]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("BENCH ")), None)
+    if line is None:
+        raise SystemExit(f"the benchmark failed:\n{done.stderr[-3000:]}")
+    medians = json.loads(line[len("BENCH ") :])
+    a, b = medians["gather_for_metrics"], medians["all_gather"]
+    print(
+        f"gather_for_metrics over {samples} samples vs raw all_gather: {a:.4f}s vs {b:.4f}s  "
+        f"ratio {a / b:.3f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
