@@ -55,7 +55,11 @@ def one_round(
         "save_state": timed(lambda: accelerator.save_state(str(folder / "ck"))),
         "torch_save_weights": timed(lambda: torch.save(inner.state_dict(), weights)),
         "save_model": timed(lambda: accelerator.save_model(model, str(folder / "m"))),
+        "async_blocking": timed(
+            lambda: accelerator.save_state(str(folder / "ck2"), async_save=True)
+        ),
     }
+    accelerator.wait_for_checkpoint()
     # Loads alternate three times each (both files are in the page cache by then).
     loads: dict[str, list[float]] = {"torch_load": [], "load_state": []}
     for _ in range(3):
@@ -88,6 +92,7 @@ def main() -> None:
             "torch_load",
             "load_state",
             "torch_save_weights",
+            "async_blocking",
         )
     }
     try:
@@ -104,6 +109,7 @@ def main() -> None:
         ("save_state", "torch_save", "save_state vs torch.save(model+optimizer)"),
         ("load_state", "torch_load", "load_state vs torch.load + load_state_dict (both)"),
         ("save_model", "torch_save_weights", "save_model (safetensors) vs torch.save(weights)"),
+        ("async_blocking", "save_state", "save_state(async_save=True) blocking vs synchronous"),
     ):
         print(
             f"{label:52s} {median[name]:7.3f}s vs {median[base]:7.3f}s  ratio {median[name] / median[base]:.2f}x"

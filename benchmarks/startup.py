@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    repeats = 2 if args.quick else args.repeats
+    repeats = 1 if args.quick else args.repeats
     python = sys.executable
     pairs = {
         "import slipstream vs import torch": (

@@ -125,15 +125,24 @@ class CheckpointingMixin:
             if key in state and hasattr(callback, "on_load_checkpoint"):
                 self.callbacks.call_one(callback, "on_load_checkpoint", self, state[key])
 
-    def save_state(self, output_dir: str | None = None, **_: Any) -> str:
+    def save_state(self, output_dir: str | None = None, async_save: bool = False, **_: Any) -> str:
         """Save everything needed to resume training exactly; returns where it went.
 
         ``output_dir`` is a local path or any fsspec URL (``s3://``, ``memory://``...); with
         automatic checkpoint naming it may be omitted. The checkpoint appears only once every
-        process has written its part. Must be called on every process.
+        process has written its part. Must be called on every process. With ``async_save``
+        the call returns after taking a CPU snapshot; the files are written in the
+        background and committed by :meth:`wait_for_checkpoint` (or the next save/load, or
+        ``end_training``).
         """
         self.coordinator.finish()
-        return self.checkpointer.save(output_dir, self._training_objects())
+        return self.checkpointer.save(output_dir, self._training_objects(), async_save=async_save)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Finish and commit a pending asynchronous save (collective); its location."""
+        if "_checkpointer" not in self.__dict__:
+            return None
+        return self.checkpointer.wait()
 
     def load_state(self, input_dir: str | None = None, **_: Any) -> str:
         """Restore what :meth:`save_state` saved (the latest automatic checkpoint when

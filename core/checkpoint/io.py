@@ -7,7 +7,8 @@ file it wrote (the manifest lists them, so a partial copy is detected on load); 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,24 +20,64 @@ from .storage import Storage
 
 
 class CheckpointWriter:
-    """Writes files of one checkpoint for this process."""
+    """Writes files of one checkpoint for this process.
 
-    def __init__(self, storage: Storage, folder: str, state: ProcessState) -> None:
+    With ``deferred`` the writes are recorded with a CPU snapshot of their content and done
+    later by :meth:`flush` (asynchronous saving: training may change the tensors meanwhile).
+    """
+
+    def __init__(
+        self, storage: Storage, folder: str, state: ProcessState, deferred: bool = False
+    ) -> None:
         self.storage = storage
         self.folder = folder
         self.state = state
+        self.deferred = deferred
         self.written: list[str] = []
+        self.pending: list[Callable[[], None]] = []
+        self.error: str | None = None
 
     def path(self, name: str) -> str:
         return self.storage.join(self.folder, name)
 
     def save_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], **kwargs: Any) -> None:
-        save_tensors(self.storage, self.path(name), tensors, **kwargs)
+        path = self.path(name)
+        if self.deferred:
+            copies = snapshot(dict(tensors))
+            self.pending.append(lambda: save_tensors(self.storage, path, copies, **kwargs))
+        else:
+            save_tensors(self.storage, path, tensors, **kwargs)
         self.written.append(name)
 
     def save_object(self, name: str, obj: Any) -> None:
-        save_object(self.storage, self.path(name), obj)
+        path = self.path(name)
+        if self.deferred:
+            copy = snapshot(obj)
+            self.pending.append(lambda: save_object(self.storage, path, copy))
+        else:
+            save_object(self.storage, path, obj)
         self.written.append(name)
+
+    def flush(self) -> None:
+        """Do the deferred writes; an error is kept in :attr:`error` (for a thread)."""
+        try:
+            for write in self.pending:
+                write()
+        except Exception as error:
+            self.error = f"{type(error).__name__}: {error}"
+        finally:
+            self.pending = []
+
+
+def snapshot(data: Any) -> Any:
+    """A copy whose tensors are fresh CPU tensors and whose containers are new."""
+    if isinstance(data, torch.Tensor):
+        return data.detach().to("cpu", copy=True)
+    if isinstance(data, dict):
+        return {k: snapshot(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(snapshot(v) for v in data)
+    return copy.deepcopy(data)
 
 
 class CheckpointReader:

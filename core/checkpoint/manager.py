@@ -12,6 +12,7 @@ waiting in a collective.
 
 from __future__ import annotations
 
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
@@ -67,6 +68,16 @@ class TrainingObjects:
     restore_extra: Callable[[dict[str, Any]], None] | None = None
 
 
+@dataclass
+class _PendingSave:
+    """A save whose files are (being) written but which is not committed yet."""
+
+    location: Location
+    writer: CheckpointWriter
+    manifest: dict[str, Any]
+    thread: threading.Thread | None = None
+
+
 class Checkpointer:
     """Saves and loads :class:`TrainingObjects` with a strategy's layout."""
 
@@ -76,6 +87,7 @@ class Checkpointer:
         self.state = state
         self.strategy = strategy
         self.project = project
+        self._pending: _PendingSave | None = None
 
     # -- where --------------------------------------------------------------------------------
     def _checkpoints_folder(self) -> str:
@@ -149,14 +161,20 @@ class Checkpointer:
         return storage.url(found[-1][1])
 
     # -- save -----------------------------------------------------------------------------
-    def save(self, path: str | None, objects: TrainingObjects) -> str:
-        """Write a checkpoint of ``objects``; returns its final location."""
+    def save(self, path: str | None, objects: TrainingObjects, async_save: bool = False) -> str:
+        """Write a checkpoint of ``objects``; returns its final location.
+
+        With ``async_save`` only a CPU snapshot is taken now; the files are written in a
+        background thread and the checkpoint is committed by :meth:`wait` (called by the
+        next save or load and by ``end_training``). Until then it is not visible.
+        """
+        self.wait()
         target = self.resolve_save_path(path)
         storage = Storage.for_url(target)
         token = self._on_main(lambda: uuid.uuid4().hex[:12])
         location = Location(storage, storage.root, token)
         self._on_main(lambda: prepare_target(location))
-        writer = CheckpointWriter(storage, location.staging, self.state)
+        writer = CheckpointWriter(storage, location.staging, self.state, deferred=async_save)
 
         weights = [self.strategy.checkpoint_state_dict(m) for m in objects.models]
         models = list(objects.models)
@@ -169,10 +187,39 @@ class Checkpointer:
             return writer.written
 
         self._everyone(write_parts)
-        files = collectives.gather_object([writer.written], state=self.state)
-        manifest = self._manifest(objects, len(weights), files)
+        manifest = self._manifest(objects, len(weights), [])
         if self.state.is_main_process:
             manifest["dataloaders"] = [loader.state_dict() for loader in objects.dataloaders]
+        pending = _PendingSave(location, writer, manifest)
+        if async_save:
+            pending.thread = threading.Thread(target=writer.flush, name="slipstream-save")
+            pending.thread.start()
+            self._pending = pending
+            return storage.url(location.path)
+        return self._commit(pending)
+
+    def wait(self) -> str | None:
+        """Commit an asynchronous save that is still pending (collective); its location."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        return self._commit(pending)
+
+    def _commit(self, pending: _PendingSave) -> str:
+        location, writer, manifest = pending.location, pending.writer, pending.manifest
+        storage = location.storage
+        if pending.thread is not None:
+            pending.thread.join()
+
+        def check_written() -> None:
+            if writer.error is not None:
+                raise CheckpointError(
+                    f"writing {storage.url(location.staging)} failed: {writer.error}"
+                )
+
+        self._everyone(check_written)
+        files = collectives.gather_object([writer.written], state=self.state)
+        manifest["files"] = {str(rank): names for rank, names in enumerate(files)}
 
         def commit() -> str:
             write_marker(storage, location.staging, manifest)
@@ -238,6 +285,7 @@ class Checkpointer:
     # -- load -----------------------------------------------------------------------------
     def load(self, path: str | None, objects: TrainingObjects) -> str:
         """Restore ``objects`` from a checkpoint; returns the location it came from."""
+        self.wait()
         source = self.resolve_load_path(path)
         storage = Storage.for_url(source)
         folder = recover(storage, storage.root)

@@ -23,6 +23,9 @@ class TrackingMixin:
     def wait_for_everyone(self) -> None:
         raise NotImplementedError
 
+    def wait_for_checkpoint(self) -> str | None:
+        raise NotImplementedError
+
     @property
     def logging_dir(self) -> str | None:
         return self.project_configuration.logging_dir
@@ -86,7 +89,9 @@ class TrackingMixin:
         )
 
     def end_training(self) -> None:
-        """Fire ``on_train_end``, close the trackers and wait for every process."""
+        """Commit a pending asynchronous save, fire ``on_train_end``, close the trackers and
+        wait for every process."""
+        self.wait_for_checkpoint()
         self.callbacks.call("on_train_end", self)
         for tracker in self.trackers:
             tracker.finish()

@@ -232,3 +232,34 @@ def test_a_position_that_cannot_map_to_another_process_count_is_refused(tmp_path
     path = _position_on_one_process(str(tmp_path / "one"))
     messages = run_distributed(_resume_on_two, path)
     assert all("stopped mid-epoch after 3 batches on each of 1 processes" in m for m in messages)
+
+
+def _async_save(folder: str) -> dict:
+    acc = Accelerator()
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    acc.backward(model(torch.ones(2, 64)).sum())
+    optimizer.step()
+    at_save = acc.unwrap_model(model).weight.detach().clone()
+    location = acc.save_state(folder, async_save=True)
+    visible_before_commit = os.path.exists(os.path.join(folder, "checkpoint.json"))
+    for _ in range(3):  # training goes on while the files are written
+        acc.backward(model(torch.ones(2, 64)).sum())
+        optimizer.step()
+    committed = acc.wait_for_checkpoint()
+    acc.load_state(folder)
+    return {
+        "location": location,
+        "committed": committed,
+        "visible_before_commit": visible_before_commit,
+        "restored": torch.equal(acc.unwrap_model(model).weight, at_save),
+    }
+
+
+def test_async_save_snapshots_now_and_commits_later(tmp_path: Path):
+    folder = str(tmp_path / "async")
+    for result in run_distributed(_async_save, folder):
+        assert result["location"] == result["committed"] == folder
+        assert not result["visible_before_commit"], "invisible until committed"
+        assert result["restored"], "the checkpoint holds the weights at the time of the call"

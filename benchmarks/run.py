@@ -1,0 +1,123 @@
+"""Run every benchmark and write a report: a table on stdout, ``results/report.md`` and a
+chart of the ratios against their targets, ``results/ratios.png``.
+
+    python benchmarks/run.py            # full sizes (about 10 minutes on 2 cores)
+    python benchmarks/run.py --quick    # smoke test of every script
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = [
+    "ddp_overhead.py",
+    "startup.py",
+    "gather_metrics.py",
+    "checkpoint_io.py",
+    "sharded_memory.py",
+]
+# (pattern in a result line, target ratio: at most) — from the performance issue.
+TARGETS = [
+    (r"slipstream step", 1.01),
+    (r"import torch, slipstream", 1.05),
+    (r"from slipstream import Accelerator", 1.05),
+    (r"slipstream --help", 1.05),
+    (r"launch -n 2", 1.10),
+    (r"gather_for_metrics", 1.10),
+    (r"save_state vs torch.save", 1.10),
+    (r"load_state vs torch.load", 1.10),
+    (r"save_model", 1.10),
+    (r"fsdp vs ddp", 0.60),
+    (r"zero3 vs ddp", 0.60),
+]
+RATIO = re.compile(r"ratio ([0-9.]+)x")
+
+
+def target_for(line: str) -> float | None:
+    for pattern, target in TARGETS:
+        if re.search(pattern, line):
+            return target
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rows: list[tuple[str, str, float, float | None]] = []
+    for script in SCRIPTS:
+        command = [sys.executable, str(HERE / script), *(["--quick"] if args.quick else [])]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent)
+        if done.returncode:
+            raise SystemExit(f"{script} failed:\n{done.stderr[-3000:]}")
+        for line in done.stdout.splitlines():
+            match = RATIO.search(line)
+            if match:
+                rows.append((script, line.strip(), float(match.group(1)), target_for(line)))
+    print(f"{'benchmark':18s} {'ratio':>7s} {'target':>7s}  result")
+    for script, line, ratio, target in rows:
+        shown = f"<={target:.2f}" if target is not None else "-"
+        print(f"{script:18s} {ratio:7.3f} {shown:>7s}  {line}")
+    results = HERE / "results"
+    results.mkdir(exist_ok=True)
+    _write_report(results / "report.md", rows, args.quick)
+    try:
+        _write_chart(results / "ratios.png", rows)
+    except ImportError:
+        print("matplotlib is not installed: no chart written")
+    print(f"report: {results / 'report.md'}")
+
+
+def _write_report(
+    path: Path, rows: list[tuple[str, str, float, float | None]], quick: bool
+) -> None:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# slipstream benchmarks",
+        "",
+        f"{stamp}, {platform.platform()}, {os.cpu_count()} CPU cores"
+        + (" (quick mode: sizes too small to read ratios from)" if quick else ""),
+        "",
+        "| script | measurement | ratio | target |",
+        "|---|---|---|---|",
+    ]
+    for script, line, ratio, target in rows:
+        goal = f"<= {target:.2f}" if target is not None else "report only"
+        lines.append(f"| {script} | {line.replace('|', '/')} | {ratio:.3f} | {goal} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _write_chart(path: Path, rows: list[tuple[str, str, float, float | None]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [line.split("  ")[0][:48] for _, line, _, _ in rows]
+    ratios = [ratio for _, _, ratio, _ in rows]
+    figure, axes = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    positions = list(range(len(rows)))
+    axes.barh(positions, ratios, color="#4c72b0")
+    for position, (_, _, _, target) in zip(positions, rows, strict=True):
+        if target is not None:
+            axes.plot(
+                [target, target], [position - 0.4, position + 0.4], color="#c44e52", linewidth=2
+            )
+    axes.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    axes.set_yticks(positions, labels, fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlabel("slipstream / baseline (red: target, at most)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
