@@ -23,6 +23,7 @@ SCRIPTS = [
     "gather_metrics.py",
     "checkpoint_io.py",
     "sharded_memory.py",
+    "sharded_save.py",
 ]
 # (pattern in a result line, target ratio: at most) — from the performance issue.
 TARGETS = [
@@ -37,6 +38,7 @@ TARGETS = [
     (r"save_model", 1.10),
     (r"fsdp vs ddp", 0.60),
     (r"zero3 vs ddp", 0.60),
+    (r"sharded vs full", 1.0),
 ]
 RATIO = re.compile(r"ratio ([0-9.]+)x")
 
