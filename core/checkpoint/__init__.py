@@ -15,6 +15,7 @@ _EXPORTS = {
     "TrainingObjects": "manager",
     "Storage": "storage",
     "StorageError": "storage",
+    "export_weights": "weights",
     "load_weights": "weights",
     "save_weights": "weights",
 }

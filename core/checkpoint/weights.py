@@ -9,11 +9,13 @@ Example::
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .commit import Location, publish
 from .serialization import load_object, load_tensors, parse_size, save_object, save_tensors
 from .storage import Storage
 
@@ -101,6 +103,41 @@ def save_weights(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         storage.write_text(storage.join(folder, index_name), json.dumps(index, indent=2))
         names.append(index_name)
+    return names
+
+
+def export_weights(
+    state: Mapping[str, torch.Tensor],
+    destination: str,
+    *,
+    max_shard_size: int | str = "10GB",
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """:func:`save_weights` as one atomic replacement of the folder ``destination``.
+
+    On local disks the files go to a hidden sibling folder that is renamed over
+    ``destination`` once complete (a crash leaves the previous export whole); on object
+    stores, which cannot rename folders, the shards are written first and the index (or the
+    single file) that readers open is one object written last. The folder belongs to the
+    export: anything else in it is replaced.
+
+    Example::
+
+        export_weights(model.state_dict(), "s3://bucket/run/weights", dtype=torch.bfloat16)
+    """
+    storage = Storage.for_url(destination)
+    if not storage.is_local:
+        return save_weights(state, destination, max_shard_size=max_shard_size, dtype=dtype)
+    location = Location(storage, storage.root, uuid.uuid4().hex[:12])
+    storage.makedirs(location.staging)
+    try:
+        names = save_weights(
+            state, storage.url(location.staging), max_shard_size=max_shard_size, dtype=dtype
+        )
+    except BaseException:
+        storage.remove(location.staging)
+        raise
+    publish(location)
     return names
 
 

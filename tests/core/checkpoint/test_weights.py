@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from slipstream import Accelerator
-from slipstream.checkpoint import load_weights, save_weights
+from slipstream.checkpoint import export_weights, load_weights, save_weights
 from slipstream.checkpoint.serialization import parse_size
 from slipstream.utils import ProjectConfiguration
 from tests.distributed import run_distributed
@@ -77,6 +77,31 @@ def test_resharding_to_a_single_file_removes_stale_shards(tmp_path):
     assert len(os.listdir(tmp_path)) == 5
     save_weights(state, str(tmp_path))
     assert os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def test_export_replaces_the_folder_atomically(tmp_path):
+    target = tmp_path / "weights"
+    old = {f"w{i}": torch.full((100,), float(i)) for i in range(4)}
+    export_weights(old, str(target), max_shard_size=500)
+    assert len(os.listdir(target)) == 5
+    # A failed export (a value safetensors cannot write) leaves the previous one whole.
+    with pytest.raises(Exception):  # noqa: B017 - whatever the serializer raises
+        export_weights({"w0": "not a tensor"}, str(target))  # type: ignore[dict-item]
+    assert all(torch.equal(load_weights(str(target))[k], old[k]) for k in old)
+    assert sorted(os.listdir(tmp_path)) == ["weights"]
+    new = {"w0": torch.zeros(3)}
+    assert export_weights(new, str(target), dtype=torch.bfloat16) == ["model.safetensors"]
+    assert os.listdir(target) == ["model.safetensors"]
+    assert load_weights(str(target))["w0"].dtype == torch.bfloat16
+    assert sorted(os.listdir(tmp_path)) == ["weights"]  # no staging folders left behind
+
+
+def test_export_to_an_object_store_writes_the_index_last():
+    url = "memory://export-test/weights"
+    state = {f"w{i}": torch.ones(100) for i in range(4)}
+    names = export_weights(state, url, max_shard_size=500)
+    assert names[-1] == "model.safetensors.index.json" and len(names) == 5
+    assert all(torch.equal(v, state[k]) for k, v in load_weights(url).items())
 
 
 @pytest.mark.parametrize(

@@ -399,10 +399,11 @@ def scenario_single(out: Path) -> dict:
     }
 
 
-def main() -> None:
+def main(scenarios: dict[str, Any] | None = None) -> None:
+    """Run ``scenario_<argv[1]>`` from ``scenarios`` (this module's by default)."""
     scenario, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    result = globals()[f"scenario_{scenario}"](out)
+    result = (scenarios or globals())[f"scenario_{scenario}"](out)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("RANK", "0")) == 0:
         (out / "result.json").write_text(json.dumps(result))
 
