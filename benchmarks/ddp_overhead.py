@@ -91,7 +91,9 @@ class Slipstream(HandWritten):
     def __init__(self, width: int, layers: int, steps: int) -> None:
         from slipstream import Accelerator
 
-        self.accelerator = Accelerator()
+        # cpu=True: without it Accelerate under torchrun on a machine with no GPU silently
+        # trains each process alone (DistributedType.NO, no gradient all-reduce).
+        self.accelerator = Accelerator(cpu=True)
         model = _model(width, layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         loader = DataLoader(
@@ -115,7 +117,9 @@ class HFAccelerate(Slipstream):
     def __init__(self, width: int, layers: int, steps: int) -> None:
         from accelerate import Accelerator
 
-        self.accelerator = Accelerator()
+        # cpu=True: without it Accelerate under torchrun on a machine with no GPU silently
+        # trains each process alone (DistributedType.NO, no gradient all-reduce).
+        self.accelerator = Accelerator(cpu=True)
         model = _model(width, layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         loader = DataLoader(
