@@ -46,7 +46,12 @@ def _reset_high_water_mark() -> None:
 
 
 def worker(strategy: str, width: int, layers: int) -> None:
-    from slipstream import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+    from slipstream import (
+        Accelerator,
+        DeepSpeedPlugin,
+        FullyShardedDataParallelPlugin,
+        gather_object,
+    )
 
     plugins = {
         "fsdp": {
@@ -86,18 +91,12 @@ def worker(strategy: str, width: int, layers: int) -> None:
         optimizer.zero_grad()
     # The kernel's high-water mark can miss short peaks; sampled values bound it too.
     peak = max(_high_water_mark_mb(), *samples)
-    print(
-        "BENCH "
-        + json.dumps(
-            {
-                "strategy": strategy,
-                "rank": accelerator.process_index,
-                "peak_mb": peak,
-                "baseline_mb": baseline,
-            }
-        ),
-        flush=True,
-    )
+    report = {"strategy": strategy, "peak_mb": peak, "baseline_mb": baseline}
+    # One line from the main process: two ranks printing at once can interleave their output.
+    reports = gather_object([report])
+    if accelerator.is_main_process:
+        for rank, line in enumerate(reports):
+            print("BENCH " + json.dumps({**line, "rank": rank}), flush=True)
 
 
 def _has_deepspeed() -> bool:

@@ -34,7 +34,7 @@ def _folder_bytes(folder: str, rank: int) -> int:
 
 
 def worker(width: int, layers: int, repeats: int, folder: str, kind: str) -> None:
-    from slipstream import Accelerator, FullyShardedDataParallelPlugin
+    from slipstream import Accelerator, FullyShardedDataParallelPlugin, gather_object
 
     plugin = FullyShardedDataParallelPlugin(
         transformer_cls_names_to_wrap=["Linear"], state_dict_type=kind
@@ -58,12 +58,12 @@ def worker(width: int, layers: int, repeats: int, folder: str, kind: str) -> Non
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             shutil.rmtree(target)
-    report = {
-        "rank": accelerator.process_index,
-        "seconds": statistics.median(times),
-        "bytes": written,
-    }
-    print("BENCH " + json.dumps(report), flush=True)
+    report = {"seconds": statistics.median(times), "bytes": written}
+    # One writer: two ranks printing at once can interleave their lines.
+    reports = gather_object([report])
+    if accelerator.is_main_process:
+        for rank, line in enumerate(reports):
+            print("BENCH " + json.dumps({**line, "rank": rank}), flush=True)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Start-up costs: importing slipstream (and its Accelerator) vs ``import torch``,
-``slipstream --help`` vs
-``import torch``, and ``slipstream launch -n 2`` vs plain ``torchrun`` from start to the
-first training step. Variants alternate, several repetitions, medians compared.
+``slipstream --help`` vs ``import torch``, and ``slipstream launch -n 2`` vs plain
+``torchrun`` from start to the first training step. Variants alternate which goes first;
+the ratio is the median of the per-repetition ratios.
 
     python benchmarks/startup.py
     python benchmarks/startup.py --quick
@@ -10,12 +10,14 @@ first training step. Variants alternate, several repetitions, medians compared.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 FIRST_STEP = """
 import os, sys, time
@@ -49,10 +51,28 @@ def _first_step(command: list[str], marker: str) -> float:
         return float(handle.read()) - start
 
 
+def _compare(
+    ours: Callable[[], float], theirs: Callable[[], float], repeats: int
+) -> tuple[float, float, float]:
+    """Medians of both and the median of per-repetition ratios; which runs first alternates."""
+    pairs = []
+    for repetition in range(repeats):
+        if repetition % 2:
+            b, a = theirs(), ours()
+        else:
+            a, b = ours(), theirs()
+        pairs.append((a, b))
+    return (
+        statistics.median(a for a, _ in pairs),
+        statistics.median(b for _, b in pairs),
+        statistics.median(a / b for a, b in pairs),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     python = sys.executable
@@ -71,12 +91,10 @@ def main() -> None:
         ),
     }
     for label, (ours, theirs) in pairs.items():
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        for _ in range(repeats):
-            times["ours"].append(_seconds(ours))
-            times["theirs"].append(_seconds(theirs))
-        a, b = statistics.median(times["ours"]), statistics.median(times["theirs"])
-        print(f"{label:52s} {a:6.3f}s vs {b:6.3f}s  ratio {a / b:.3f}x")
+        a, b, ratio = _compare(
+            functools.partial(_seconds, ours), functools.partial(_seconds, theirs), repeats
+        )
+        print(f"{label:52s} {a:6.3f}s vs {b:6.3f}s  ratio {ratio:.3f}x")
     with tempfile.TemporaryDirectory() as folder:
         script = os.path.join(folder, "first_step.py")
         with open(script, "w") as handle:
@@ -94,13 +112,13 @@ def main() -> None:
                 script,
             ],
         }
-        times = {name: [] for name in launchers}
-        for _ in range(repeats):
-            for name, command in launchers.items():
-                times[name].append(_first_step(command, marker))
-        a, b = statistics.median(times["slipstream"]), statistics.median(times["torchrun"])
+        a, b, ratio = _compare(
+            functools.partial(_first_step, launchers["slipstream"], marker),
+            functools.partial(_first_step, launchers["torchrun"], marker),
+            repeats,
+        )
         label = "launch -n 2: start to first step vs torchrun"
-        print(f"{label:52s} {a:6.3f}s vs {b:6.3f}s  ratio {a / b:.3f}x")
+        print(f"{label:52s} {a:6.3f}s vs {b:6.3f}s  ratio {ratio:.3f}x")
 
 
 if __name__ == "__main__":

@@ -31,12 +31,12 @@ import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 DTYPES = ("fp32", "bf16", "fp16")
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP")
@@ -136,6 +136,10 @@ def _describe(error: BaseException) -> str:
 
 def build_model(spec: str) -> nn.Module:
     """Call the factory named by ``spec`` on the meta device and check it made a Module."""
+    # torch is imported here, not at the top: `slipstream --help` should not pay for it.
+    import torch
+    from torch import nn
+
     factory = load_factory(spec)
     try:
         with torch.device("meta"):
@@ -149,6 +153,8 @@ def build_model(spec: str) -> nn.Module:
 
 
 def _units(module: nn.Module) -> Iterator[nn.Module]:
+    from torch import nn
+
     # Plain containers are opened so each block of a stack is its own unit: the layout that
     # fully_shard on every block gives, and what FSDP gathers at a time.
     for child in module.children():

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# Names of torch dtypes; torch itself is imported only when merging (`--help` stays fast).
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def register(subparsers: Any) -> None:
@@ -73,6 +75,7 @@ def find_sharded_weights(checkpoint: str, model_index: int = 0) -> str:
 
 def load_sharded_weights(folder: str) -> dict[str, torch.Tensor]:
     """All weights of a torch.distributed.checkpoint folder, in this process."""
+    import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -103,11 +106,15 @@ def load_deepspeed_weights(folder: str, tag: str | None) -> dict[str, torch.Tens
         raise ConfigError(
             f"{folder} is a DeepSpeed checkpoint; merging it needs DeepSpeed installed"
         ) from None
+    import torch
+
     state = get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..checkpoint import save_weights
 
     deepspeed = find_deepspeed_checkpoint(args.checkpoint)
@@ -122,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         args.output_dir,
         max_shard_size=args.max_shard_size,
         safe_serialization=not args.unsafe_serialization,
-        dtype=_DTYPES[args.dtype],
+        dtype=getattr(torch, _DTYPES[args.dtype]),
         progress=True,
     )
     total = sum(t.numel() for t in state.values())

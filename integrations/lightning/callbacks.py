@@ -210,8 +210,7 @@ class ExactMetrics(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.passes.stop()
 
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.passes.stop()
+    on_test_end = on_validation_end
 
     def on_validation_batch_start(
         self,
@@ -223,12 +222,4 @@ class ExactMetrics(pl.Callback):
     ) -> None:
         self.passes.dataloader_idx = dataloader_idx
 
-    def on_test_batch_start(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self.passes.dataloader_idx = dataloader_idx
+    on_test_batch_start = on_validation_batch_start
