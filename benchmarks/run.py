@@ -103,9 +103,13 @@ def _write_chart(path: Path, rows: list[tuple[str, str, float, float | None]]) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [line.split("  ")[0][:48] for _, line, _, _ in rows]
+    # "tiny   slipstream step    1.889 ms vs torch ..." -> "tiny slipstream step"
+    labels = [
+        re.split(r" [0-9.]+ ?m?s\b| ratio", " ".join(line.split()))[0].rstrip(":")[:60]
+        for _, line, _, _ in rows
+    ]
     ratios = [ratio for _, _, ratio, _ in rows]
-    figure, axes = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    figure, axes = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
     positions = list(range(len(rows)))
     axes.barh(positions, ratios, color="#4c72b0")
     for position, (_, _, _, target) in zip(positions, rows, strict=True):
