@@ -4,8 +4,9 @@ Runs on 2 CPU processes (torchrun). Every variant trains the same model on the s
 batches; they run interleaved (a block of steps each, several rounds) and each variant's
 per-step time is divided by the hand-written torch.distributed + DDP loop's in the same round;
 the median of those ratios is reported. Hugging
-Face Accelerate and Lightning Fabric are included when installed. The final weights of the
-slipstream and hand-written runs must be equal.
+Face Accelerate and Lightning Fabric are included when installed, and a second copy of the
+hand-written loop ("control") shows how far two identical loops differ on this machine. The
+final weights of the slipstream and hand-written runs must be equal.
 
     python benchmarks/ddp_overhead.py            # tiny and medium model
     python benchmarks/ddp_overhead.py --quick    # smoke test
@@ -89,6 +90,13 @@ class HandWritten:
         return [p.detach().clone() for p in self.model.module.parameters()]
 
 
+class Control(HandWritten):
+    """The hand-written loop again, as its own variant: its ratio to the first copy is the
+    noise floor of the measurement (an A/A comparison)."""
+
+    name = "control"
+
+
 class Slipstream(HandWritten):
     name = "slipstream"
 
@@ -162,7 +170,7 @@ class Fabric(Slipstream):
 def worker(size: str, rounds: int, block: int) -> None:
     dist.init_process_group("gloo")
     width, layers = SIZES[size]
-    variants: list[type[HandWritten]] = [HandWritten, Slipstream]
+    variants: list[type[HandWritten]] = [HandWritten, Slipstream, Control]
     if importlib.util.find_spec("accelerate"):
         variants.append(HFAccelerate)
     if importlib.util.find_spec("lightning"):
