@@ -136,7 +136,8 @@ class StepCoordinator:
         self.optimizers.append(optimizer)
 
     def step(self, optimizer: AcceleratedOptimizer, closure: Callable[[], float] | None) -> Any:
-        if any(o is optimizer for o in self.pending):
+        # `in` compares by identity here (AcceleratedOptimizer keeps object equality).
+        if optimizer in self.pending:
             self.finish()  # it steps again: the previous step is over
         inner = optimizer.optimizer
         self.notify("on_before_optimizer_step", optimizer)
@@ -147,7 +148,7 @@ class StepCoordinator:
         else:
             result = inner.step(closure) if closure is not None else inner.step()
         self.pending.append(optimizer)
-        if all(any(o is p for p in self.pending) for o in self.optimizers):
+        if all(o in self.pending for o in self.optimizers):
             self.finish()
         self.notify("on_after_optimizer_step", optimizer)
         return result

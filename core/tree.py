@@ -79,6 +79,12 @@ def describe(data: Any) -> Any:
 
 def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
     """Move every tensor (and every object with a ``.to`` method) in ``data`` to ``device``."""
+    if isinstance(data, (list, tuple)):
+        # The common batch, a flat list/tuple of tensors already in place (CPU training), is
+        # returned as is: this runs for every batch.
+        target = torch.device(device)
+        if all(type(v) is torch.Tensor and v.device == target for v in data):
+            return data
 
     def is_movable(value: Any) -> bool:
         return isinstance(value, torch.Tensor) or (

@@ -224,19 +224,23 @@ class PreparedDataLoader(DataLoader[Any]):
                 if next(batches, _EXHAUSTED) is _EXHAUSTED:
                     break
                 self.batches_yielded += 1
+            # Per-batch position updates write the instance dict directly: DataLoader's own
+            # __setattr__ is Python code and would run twice for every batch.
+            position = self.__dict__
             if length is not None:
                 # The position says which batch is last: no look-ahead, so batches are
                 # loaded exactly when plain PyTorch would load them.
                 for batch in batches:
-                    self.batches_yielded += 1
-                    self.end_of_dataloader = self.batches_yielded >= length
+                    yielded = position["batches_yielded"] + 1
+                    position["batches_yielded"] = yielded
+                    position["end_of_dataloader"] = yielded >= length
                     yield self._place(batch)
             else:
                 current = next(batches, _EXHAUSTED)
                 while current is not _EXHAUSTED:
                     upcoming = next(batches, _EXHAUSTED)
-                    self.end_of_dataloader = upcoming is _EXHAUSTED
-                    self.batches_yielded += 1
+                    position["end_of_dataloader"] = upcoming is _EXHAUSTED
+                    position["batches_yielded"] += 1
                     yield self._place(current)
                     current = upcoming
             self._epoch += 1

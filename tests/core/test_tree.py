@@ -58,3 +58,16 @@ def test_map_leaves_replace_and_describe():
         ("Tensor", (2,), "float32"),
         {"b": [("Tensor", (1, 3), "int64"), "str"]},
     ]
+
+
+def test_a_flat_batch_already_in_place_is_returned_as_is_and_others_still_move():
+    batch = [torch.ones(2), torch.zeros(3)]
+    assert send_to_device(batch, "cpu") is batch  # the per-batch fast path
+    moved = send_to_device(batch, "meta")
+    assert isinstance(moved, list) and moved is not batch
+    assert [t.device.type for t in moved] == ["meta", "meta"]
+    # A parameter or a mixed tuple takes the general path, which keeps the container type.
+    mixed = Pair(torch.nn.Parameter(torch.ones(1)), torch.ones(1, device="meta"))
+    moved_mixed = send_to_device(mixed, "meta")
+    assert type(moved_mixed) is Pair
+    assert [t.device.type for t in moved_mixed] == ["meta", "meta"]
