@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import workers  # benchmarks/workers.py, beside this script
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
@@ -223,7 +220,7 @@ def worker(size: str, rounds: int, block: int) -> None:
             "weights_equal": equal,
             "max_diff": differences,
         }
-        print("BENCH " + json.dumps(report), flush=True)
+        workers.report(report)
     dist.destroy_process_group()
 
 
@@ -240,16 +237,8 @@ def main() -> None:
     for size in ["tiny"] if args.quick else list(SIZES):
         rounds, block = (2, 3) if args.quick else ROUNDS[size]
         rounds, block = args.rounds or rounds, args.block or block
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--standalone", __file__, "--worker", size, "--rounds", str(rounds),
-                   "--block", str(block)]  # fmt: skip
-        done = subprocess.run(
-            command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
-        line = next((ln for ln in done.stdout.splitlines() if ln.startswith("BENCH ")), None)
-        if line is None:
-            raise SystemExit(f"the {size} run failed:\n{done.stderr[-3000:]}")
-        result = json.loads(line[len("BENCH ") :])
+        arguments = ["--worker", size, "--rounds", str(rounds), "--block", str(block)]
+        result = workers.run_workers(__file__, arguments)[0]
         medians = result["medians"]
         for name, seconds in medians.items():
             if name in result["ratios"] and name != "torch":

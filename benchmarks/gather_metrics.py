@@ -8,15 +8,12 @@ tensors, on 2 CPU processes (alternating rounds; the median of the per-round rat
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+import workers  # benchmarks/workers.py, beside this script
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -53,7 +50,7 @@ def worker(samples: int, rounds: int) -> None:
         pairs = zip(times["gather_for_metrics"], times["all_gather"], strict=True)
         result = {k: statistics.median(v) for k, v in times.items()}
         result["ratio"] = statistics.median([a / b for a, b in pairs])
-        print("BENCH " + json.dumps(result), flush=True)
+        workers.report(result)
 
 
 def main() -> None:
@@ -67,16 +64,8 @@ def main() -> None:
         worker(args.samples, args.rounds)
         return
     samples, rounds = (2001, 2) if args.quick else (args.samples, args.rounds)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--standalone", __file__, "--worker", "--samples", str(samples),
-               "--rounds", str(rounds)]  # fmt: skip
-    done = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("BENCH ")), None)
-    if line is None:
-        raise SystemExit(f"the benchmark failed:\n{done.stderr[-3000:]}")
-    result = json.loads(line[len("BENCH ") :])
+    arguments = ["--worker", "--samples", str(samples), "--rounds", str(rounds)]
+    result = workers.run_workers(__file__, arguments)[0]
     a, b = result["gather_for_metrics"], result["all_gather"]
     print(
         f"gather_for_metrics over {samples} samples vs raw all_gather: {a:.4f}s vs {b:.4f}s  "

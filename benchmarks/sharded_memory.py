@@ -14,12 +14,10 @@ memory of model + gradients + optimizer state that sharding divides. Run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 
 import torch
+import workers  # benchmarks/workers.py, beside this script
 from torch import nn
 
 STRATEGIES = ("ddp", "fsdp", "zero3")
@@ -105,7 +103,7 @@ def worker(strategy: str, width: int, layers: int) -> None:
     reports = gather_object([report])
     if accelerator.is_main_process:
         for rank, line in enumerate(reports):
-            print("BENCH " + json.dumps({**line, "rank": rank}), flush=True)
+            workers.report({**line, "rank": rank})
 
 
 def _has_deepspeed() -> bool:
@@ -131,31 +129,14 @@ def main() -> None:
     above: dict[str, list[float]] = {}  # the same above each process's memory before the model
     strategies = [s for s in STRATEGIES if s != "zero3" or _has_deepspeed()]
     for strategy in strategies:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--standalone",
-            __file__,
-            "--worker",
-            strategy,
-            "--width",
-            str(args.width),
-            "--layers",
-            str(args.layers),
-        ]
+        arguments = ["--worker", strategy, "--width", str(args.width), "--layers", str(args.layers)]
         # glibc keeps freed large blocks in its heap unless they are mmap'ed: without this,
         # resident memory measures the allocator's retention rather than live tensors.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
-        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.getcwd(), ".torch_extensions"))
-        done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
-        reports = [
-            json.loads(line[len("BENCH ") :])
-            for line in done.stdout.splitlines()
-            if line.startswith("BENCH ")
-        ]
+        env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+        env["TORCH_EXTENSIONS_DIR"] = os.environ.get(
+            "TORCH_EXTENSIONS_DIR", os.path.join(os.getcwd(), ".torch_extensions")
+        )
+        reports = workers.run_workers(__file__, arguments, env=env)
         reports.sort(key=lambda r: r["rank"])
         peaks[strategy] = [r["peak_mb"] for r in reports]
         above[strategy] = [r["peak_mb"] - r["before_model_mb"] for r in reports]

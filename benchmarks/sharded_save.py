@@ -11,16 +11,14 @@ process reports the bytes it wrote and the time the save took (median of repetit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
+import workers  # benchmarks/workers.py, beside this script
 from torch import nn
 
 
@@ -63,7 +61,7 @@ def worker(width: int, layers: int, repeats: int, folder: str, kind: str) -> Non
     reports = gather_object([report])
     if accelerator.is_main_process:
         for rank, line in enumerate(reports):
-            print("BENCH " + json.dumps({**line, "rank": rank}), flush=True)
+            workers.report({**line, "rank": rank})
 
 
 def main() -> None:
@@ -87,21 +85,9 @@ def main() -> None:
             (2, "SHARDED_STATE_DICT"),
             (2, "FULL_STATE_DICT"),
         ):
-            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                       str(processes), "--standalone", __file__, "--worker", "--width", str(width),
-                       "--layers", str(layers), "--repeats", str(repeats), "--folder", folder,
-                       "--kind", kind]  # fmt: skip
-            done = subprocess.run(
-                command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-            )
-            reports = [
-                json.loads(line[6:])
-                for line in done.stdout.splitlines()
-                if line.startswith("BENCH ")
-            ]
-            if not reports:
-                raise SystemExit(f"the {processes}-process save failed:\n{done.stderr[-3000:]}")
-            results[(processes, kind)] = reports
+            arguments = ["--worker", "--width", str(width), "--layers", str(layers),
+                         "--repeats", str(repeats), "--folder", folder, "--kind", kind]  # fmt: skip
+            results[(processes, kind)] = workers.run_workers(__file__, arguments, processes)
     one, two = results[(1, "SHARDED_STATE_DICT")][0], results[(2, "SHARDED_STATE_DICT")]
     full = max(r["seconds"] for r in results[(2, "FULL_STATE_DICT")])
     per_process = max(r["bytes"] for r in two) / 1e6

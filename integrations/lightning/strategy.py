@@ -209,7 +209,7 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
             and not self.cluster_environment.creates_processes_externally
         ):
             # One process: nothing to start (and no launcher variables written into
-            # os.environ, so notebooks and test sessions stay clean).
+            # the process environment, so notebooks and test sessions stay clean).
             self._launcher = None
         elif self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(

@@ -1,0 +1,43 @@
+"""Run a benchmark script's worker on several local processes and collect its reports.
+
+A worker prints each report as one ``BENCH {json}`` line (from one process only: two
+processes printing at once can interleave their lines); :func:`run_workers` starts the
+script under torchrun and returns the parsed reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+_PREFIX = "BENCH "
+
+
+def report(data: dict[str, Any]) -> None:
+    """Print one report line for :func:`run_workers` to collect."""
+    print(_PREFIX + json.dumps(data), flush=True)
+
+
+def run_workers(
+    script: str, arguments: list[str], processes: int = 2, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run ``script arguments`` on ``processes`` processes; the reports they printed.
+
+    Exits with the workers' stderr when they reported nothing.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+               str(processes), "--standalone", script, *arguments]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
+    reports = [
+        json.loads(line[len(_PREFIX) :])
+        for line in done.stdout.splitlines()
+        if line.startswith(_PREFIX)
+    ]
+    if not reports:
+        name = os.path.basename(script)
+        raise SystemExit(f"{name} {' '.join(arguments)} failed:\n{done.stderr[-3000:]}")
+    return reports
