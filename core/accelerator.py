@@ -18,10 +18,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -66,6 +65,7 @@ from .strategies import (
 )
 from .tracking import GeneralTracker, resolve_log_with
 from .tracking.api import TrackingMixin
+from .training_step import TrainingStepMixin
 from .tree import map_tensors, tensor_leaves
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def _is_scheduler(obj: Any) -> bool:
     )
 
 
-class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
+class Accelerator(ProcessControl, TrainingStepMixin, CheckpointingMixin, TrackingMixin):
     """Runs one training script on a CPU, several processes, GPUs or machines.
 
     Args:
@@ -510,103 +510,6 @@ class Accelerator(ProcessControl, CheckpointingMixin, TrackingMixin):
         )
         self._schedulers.append(prepared)
         return prepared
-
-    # -- training step ------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()`` with gradient-accumulation averaging and loss scaling.
-
-        With accumulation the loss is divided by the micro-batches of the current cycle, so
-        N accumulated micro-batches give the update of one N-times larger batch (also for a
-        shorter final cycle of an epoch).
-        """
-        self.coordinator.finish()  # a step left open by optimizers that did not all step
-        self.callbacks.call("on_before_backward", self, loss)
-        if self.gradient_accumulation_steps > 1:
-            loss = loss / self.step_state.loss_divisor
-        self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
-        self.callbacks.call("on_after_backward", self)
-
-    def call(self, hook: str, *args: Any, **kwargs: Any) -> None:
-        """Fire ``hook(accelerator, *args, **kwargs)`` on every callback that defines it
-        (for loop-level events such as ``on_validation_epoch_end``)."""
-        self.callbacks.call(hook, self, *args, **kwargs)
-
-    @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module) -> Iterator[None]:
-        """One micro-step: gradients synchronise (and optimizers step) only every
-        ``gradient_accumulation_steps`` micro-steps and at the end of the dataloader; in
-        between, backward runs without inter-process communication."""
-        loader = self.active_loaders.innermost
-        self.step_state.begin_micro_step(
-            self.active_loaders.end_of_dataloader,
-            loader.batches_left if loader is not None else None,
-        )
-        with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
-                for model in models or self._models:
-                    stack.enter_context(self.no_sync(model))
-            yield
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        """Run backward inside without synchronising ``model``'s gradients."""
-        with self.strategy.no_sync(getattr(model, "_orig_mod", model)):
-            yield
-
-    def model_init_context(self) -> contextlib.AbstractContextManager[Any]:
-        """Build models inside this: under DeepSpeed ZeRO-3 with ``zero3_init_flag`` each
-        process then holds only its partition (no process ever has the whole model)."""
-        context = getattr(self.strategy, "model_init_context", None)
-        return context() if context is not None else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def autocast(self, enabled: bool = True) -> Iterator[None]:
-        """Run the block under the mixed-precision autocast (no-op at full precision)."""
-        with self.precision.autocast(enabled=enabled):
-            yield
-
-    def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
-        """Divide fp16-scaled gradients by the loss scale (before clipping or inspecting).
-
-        Safe to call more than once per step: each optimizer is unscaled once.
-        """
-        for opt in [optimizer] if optimizer is not None else self._optimizers:
-            opt.unscale_gradients()
-
-    def clip_grad_norm_(
-        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor:
-        """Clip gradients to a total norm of ``max_norm``; returns the total norm before
-        clipping (over all processes for sharded strategies; fp16 gradients are unscaled
-        first).
-
-        Only synchronising micro-steps clip, since only they step the optimizer; on the
-        others the gradients are partial and are left alone (the norm is still returned).
-        """
-        parameters = list(parameters)
-        if not self.sync_gradients:
-            return self._unscaled_norm(parameters, norm_type)
-        self.unscale_gradients()
-        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
-
-    def _unscaled_norm(self, parameters: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-        grads = [p.grad for p in parameters if p.grad is not None]
-        if not grads:
-            return torch.tensor(0.0, device=self.device)
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]),
-            norm_type,
-        )
-        scaler = self.scaler
-        return norm / scaler.get_scale() if scaler is not None else norm
-
-    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        """Clamp every gradient element to ``[-clip_value, clip_value]`` (on synchronising
-        micro-steps, after unscaling fp16 gradients)."""
-        if not self.sync_gradients:
-            return
-        self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
 
     # -- models -------------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:

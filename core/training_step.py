@@ -1,0 +1,130 @@
+"""The training-step part of the Accelerator: backward, gradient accumulation, autocast and
+gradient clipping, routed through the strategy, the precision and the step state."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .active_loaders import ActiveLoaders
+from .callbacks import CallbackRunner
+from .optimizer import AcceleratedOptimizer, StepCoordinator
+from .precision import Precision
+from .state import ProcessState
+from .step import StepState
+from .strategies import Strategy
+
+
+class TrainingStepMixin:
+    """backward / accumulate / no_sync / autocast / clipping for the Accelerator."""
+
+    # Provided by the Accelerator.
+    state: ProcessState
+    strategy: Strategy
+    precision: Precision
+    step_state: StepState
+    coordinator: StepCoordinator
+    callbacks: CallbackRunner
+    active_loaders: ActiveLoaders
+    _models: list[nn.Module]
+    _optimizers: list[AcceleratedOptimizer]
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` with gradient-accumulation averaging and loss scaling.
+
+        With accumulation the loss is divided by the micro-batches of the current cycle, so
+        N accumulated micro-batches give the update of one N-times larger batch (also for a
+        shorter final cycle of an epoch).
+        """
+        self.coordinator.finish()  # a step left open by optimizers that did not all step
+        self.callbacks.call("on_before_backward", self, loss)
+        if self.step_state.gradient_accumulation_steps > 1:
+            loss = loss / self.step_state.loss_divisor
+        self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
+        self.callbacks.call("on_after_backward", self)
+
+    def call(self, hook: str, *args: Any, **kwargs: Any) -> None:
+        """Fire ``hook(accelerator, *args, **kwargs)`` on every callback that defines it
+        (for loop-level events such as ``on_validation_epoch_end``)."""
+        self.callbacks.call(hook, self, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """One micro-step: gradients synchronise (and optimizers step) only every
+        ``gradient_accumulation_steps`` micro-steps and at the end of the dataloader; in
+        between, backward runs without inter-process communication."""
+        loader = self.active_loaders.innermost
+        self.step_state.begin_micro_step(
+            self.active_loaders.end_of_dataloader,
+            loader.batches_left if loader is not None else None,
+        )
+        with contextlib.ExitStack() as stack:
+            if not self.step_state.sync_gradients:
+                for model in models or self._models:
+                    stack.enter_context(self.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Run backward inside without synchronising ``model``'s gradients."""
+        with self.strategy.no_sync(getattr(model, "_orig_mod", model)):
+            yield
+
+    def model_init_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Build models inside this: under DeepSpeed ZeRO-3 with ``zero3_init_flag`` each
+        process then holds only its partition (no process ever has the whole model)."""
+        context = getattr(self.strategy, "model_init_context", None)
+        return context() if context is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def autocast(self, enabled: bool = True) -> Iterator[None]:
+        """Run the block under the mixed-precision autocast (no-op at full precision)."""
+        with self.precision.autocast(enabled=enabled):
+            yield
+
+    def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:
+        """Divide fp16-scaled gradients by the loss scale (before clipping or inspecting).
+
+        Safe to call more than once per step: each optimizer is unscaled once.
+        """
+        for opt in [optimizer] if optimizer is not None else self._optimizers:
+            opt.unscale_gradients()
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip gradients to a total norm of ``max_norm``; returns the total norm before
+        clipping (over all processes for sharded strategies; fp16 gradients are unscaled
+        first).
+
+        Only synchronising micro-steps clip, since only they step the optimizer; on the
+        others the gradients are partial and are left alone (the norm is still returned).
+        """
+        parameters = list(parameters)
+        if not self.step_state.sync_gradients:
+            return self._unscaled_norm(parameters, norm_type)
+        self.unscale_gradients()
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def _unscaled_norm(self, parameters: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0, device=self.state.device)
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]),
+            norm_type,
+        )
+        scaler = self.precision.scaler
+        return norm / scaler.get_scale() if scaler is not None else norm
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (on synchronising
+        micro-steps, after unscaling fp16 gradients)."""
+        if not self.step_state.sync_gradients:
+            return
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
