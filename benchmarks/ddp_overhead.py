@@ -1,12 +1,18 @@
 """Per-step time of a prepared DDP training loop versus the same loop written by hand.
 
 Runs on 2 CPU processes (torchrun). Every variant trains the same model on the same global
-batches; they run interleaved (a block of steps each, several rounds) and each variant's
-per-step time is divided by the hand-written torch.distributed + DDP loop's in the same round
-(the mean of two identical copies of it); the median of those ratios is reported. Hugging
-Face Accelerate and Lightning Fabric are included when installed, and a second copy of the
-hand-written loop ("control") shows how far two identical loops differ on this machine. The
-final weights of the slipstream and hand-written runs must be equal.
+batches. They take turns in one process: in each round every variant (in a rotating order)
+runs one untimed warm-up step and then a few timed steps, each timed on its own. A step is
+compared with the hand-written loop's step at the same position of the same round, and the
+median of those per-step ratios is reported. Hugging Face Accelerate and Lightning Fabric are
+included when installed, and a second copy of the hand-written loop ("control") shows how far
+two identical loops differ on this machine. Each variant is built afresh several times
+("generations", in a shuffled order); the final weights of the slipstream and hand-written
+runs must be equal in every generation.
+
+Why the warm-up step: the first step after a *different* library's loop ran is slower for
+every library (Python re-adapts its specialised bytecode to the other objects, caches are
+cold): in a real run one loop runs alone, so that switching cost is not part of its step.
 
     python benchmarks/ddp_overhead.py            # tiny and medium model
     python benchmarks/ddp_overhead.py --quick    # smoke test
@@ -15,7 +21,9 @@ final weights of the slipstream and hand-written runs must be equal.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
+import random
 import statistics
 import time
 from typing import Any
@@ -28,9 +36,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 SIZES = {"tiny": (32, 2), "medium": (1024, 6)}  # (width, layers)
-# (rounds, steps per block): many short paired rounds, as a 2-process step on 2 shared cores
-# jitters by several percent from one block to the next.
-ROUNDS = {"tiny": (61, 20), "medium": (25, 8)}
+# (generations, rounds per generation, timed steps per round): many short paired rounds, as a
+# 2-process step on 2 shared cores jitters by tens of percent from one step to the next.
+ROUNDS = {"tiny": (4, 300, 3), "medium": (3, 20, 2)}
+WARMUP_STEPS = 1
 PER_PROCESS_BATCH = 16
 
 
@@ -164,61 +173,103 @@ class Fabric(Slipstream):
         return [p.detach().clone() for p in self.model.module.parameters()]
 
 
-def worker(size: str, rounds: int, block: int) -> None:
-    dist.init_process_group("gloo")
-    width, layers = SIZES[size]
+def _variants() -> list[type[HandWritten]]:
     variants: list[type[HandWritten]] = [HandWritten, Slipstream, Control]
     if importlib.util.find_spec("accelerate"):
         variants.append(HFAccelerate)
     if importlib.util.find_spec("lightning"):
         variants.append(Fabric)
-    runs = [kind(width, layers, rounds * block) for kind in variants]
+    return variants
+
+
+def _generation(
+    variants: list[type[HandWritten]],
+    size: str,
+    rounds: int,
+    timed: int,
+    wall: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+) -> dict[str, bool]:
+    """Build every variant afresh and run the rounds; whether each ended with the
+    hand-written loop's weights."""
+    width, layers = SIZES[size]
+    runs = [kind(width, layers, rounds * (WARMUP_STEPS + timed)) for kind in variants]
     iterators = [iter(run.loader) for run in runs]
-    times: dict[str, list[float]] = {run.name: [] for run in runs}
-    order = list(range(len(runs)))
     for round_index in range(rounds):
         # Rotate which variant goes first so none always runs right after another.
-        rotated = order[round_index % len(order) :] + order[: round_index % len(order)]
-        for run, iterator in ((runs[i], iterators[i]) for i in rotated):
+        shift = round_index % len(runs)
+        for index in list(range(shift, len(runs))) + list(range(shift)):
+            run, iterator = runs[index], iterators[index]
             dist.barrier()
-            start = time.perf_counter()
-            for _ in range(block):
+            for _ in range(WARMUP_STEPS):
                 run.step(next(iterator))
-            dist.barrier()
-            times[run.name].append((time.perf_counter() - start) / block)
+            for _ in range(timed):
+                batch = next(iterator)
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                run.step(batch)
+                cpu[run.name].append(time.thread_time() - start_cpu)
+                wall[run.name].append(time.perf_counter() - start)
     reference = runs[0].weights()
-    equal = all(torch.equal(a, b) for a, b in zip(reference, runs[1].weights(), strict=True))
-    differences = {
-        run.name: max(
-            (a - b).abs().max().item() for a, b in zip(reference, run.weights(), strict=True)
-        )
+    return {
+        run.name: all(torch.equal(a, b) for a, b in zip(reference, run.weights(), strict=True))
         for run in runs[1:]
     }
+
+
+def _median_ratio_interval(
+    values: list[float], base: list[float], timed: int, draws: int = 400
+) -> tuple[float, float]:
+    """95% bootstrap interval of the median per-step ratio, resampling whole rounds (the
+    steps of one round share its conditions)."""
+    ratios = [v / b for v, b in zip(values, base, strict=True)]
+    rounds = [ratios[i : i + timed] for i in range(0, len(ratios), timed)]
+    pick = random.Random(1)
+    medians = sorted(
+        statistics.median([r for _ in rounds for r in rounds[pick.randrange(len(rounds))]])
+        for _ in range(draws)
+    )
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def worker(size: str, generations: int, rounds: int, timed: int) -> None:
+    dist.init_process_group("gloo")
+    variants = _variants()
+    wall: dict[str, list[float]] = {kind.name: [] for kind in variants}
+    cpu: dict[str, list[float]] = {kind.name: [] for kind in variants}
+    equal: dict[str, bool] = {kind.name: True for kind in variants[1:]}
+    shuffle = random.Random(0)  # the same order on every rank
+    for _ in range(generations):
+        # A fresh set of objects each generation, built in a different order, so that no
+        # variant keeps a lucky (or unlucky) memory layout for the whole run.
+        order = variants[1:]
+        shuffle.shuffle(order)
+        for name, same in _generation(
+            [variants[0], *order], size, rounds, timed, wall, cpu
+        ).items():
+            equal[name] = equal[name] and same
+        gc.collect()
     if dist.get_rank() == 0:
-        medians = {name: statistics.median(values[1:] or values) for name, values in times.items()}
-        # Each round's blocks run back to back, so the ratio within a round cancels the slow
-        # drifts of a shared machine; the median over rounds is the reported ratio.
-        # The hand-written time of a round is the mean of its two identical copies (halving
-        # the baseline's own noise); the control is still reported against the first copy
-        # alone, which shows how far two identical loops differ.
-        first = times["torch"]
-        both = [(a + b) / 2 for a, b in zip(first, times["control"], strict=True)]
-
-        def ratio(values: list[float], base: list[float]) -> float:
-            return statistics.median([v / b for v, b in zip(values, base, strict=True)][1:])
-
-        ratios = {
-            name: ratio(values, first if name == "control" else both)
-            for name, values in times.items()
-        }
-        medians["torch (first copy)"] = medians["torch"]
-        medians["torch"] = statistics.median(both[1:] or both)
+        base, base_cpu = wall["torch"], cpu["torch"]
         report = {
             "size": size,
-            "medians": medians,
-            "ratios": ratios,
+            "steps": len(base),
+            "medians": {name: statistics.median(values) for name, values in wall.items()},
+            # Step i of a variant against step i of the hand-written loop in the same round.
+            "ratios": {
+                name: statistics.median([v / b for v, b in zip(values, base, strict=True)])
+                for name, values in wall.items()
+            },
+            "intervals": {
+                name: _median_ratio_interval(values, base, timed) for name, values in wall.items()
+            },
+            # Main-thread CPU time per step above the hand-written loop's: the work the
+            # library itself adds, without the waiting on the other process.
+            "cpu_extra_us": {
+                name: 1e6
+                * statistics.median([v - b for v, b in zip(values, base_cpu, strict=True)])
+                for name, values in cpu.items()
+            },
             "weights_equal": equal,
-            "max_diff": differences,
         }
         workers.report(report)
     dist.destroy_process_group()
@@ -228,29 +279,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", choices=sorted(SIZES))
+    parser.add_argument("--generations", type=int)
     parser.add_argument("--rounds", type=int)
-    parser.add_argument("--block", type=int)
+    parser.add_argument("--timed", type=int, help="timed steps per variant and round")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.rounds, args.block)
+        worker(args.worker, args.generations, args.rounds, args.timed)
         return
     for size in ["tiny"] if args.quick else list(SIZES):
-        rounds, block = (2, 3) if args.quick else ROUNDS[size]
-        rounds, block = args.rounds or rounds, args.block or block
-        arguments = ["--worker", size, "--rounds", str(rounds), "--block", str(block)]
+        generations, rounds, timed = (1, 2, 2) if args.quick else ROUNDS[size]
+        arguments = ["--worker", size,
+                     "--generations", str(args.generations or generations),
+                     "--rounds", str(args.rounds or rounds),
+                     "--timed", str(args.timed or timed)]  # fmt: skip
         result = workers.run_workers(__file__, arguments)[0]
-        medians = result["medians"]
-        for name, seconds in medians.items():
-            if name in result["ratios"] and name != "torch":
-                base = medians["torch (first copy)" if name == "control" else "torch"]
-                diff = result["max_diff"][name]
-                print(
-                    f"{size:6s} {name:10s} step {seconds * 1e3:8.3f} ms vs torch "
-                    f"{base * 1e3:8.3f} ms  ratio {result['ratios'][name]:.3f}x  (weights differ by {diff:.1e})"
-                )
-        print(
-            f"{size:6s} final weights of slipstream and hand-written runs equal: {result['weights_equal']}"
-        )
+        medians, base = result["medians"], result["medians"]["torch"]
+        for name, ratio in result["ratios"].items():
+            if name == "torch":
+                continue
+            same = "equal" if result["weights_equal"][name] else "DIFFERENT"
+            low, high = result["intervals"][name]
+            print(
+                f"{size:6s} {name:10s} step {medians[name] * 1e3:8.3f} ms vs torch "
+                f"{base * 1e3:8.3f} ms  ratio {ratio:.3f}x  (95% interval {low:.3f}-{high:.3f}; "
+                f"{result['cpu_extra_us'][name]:+.0f} us CPU per step; weights {same})"
+            )
+        print(f"{size:6s} {result['steps']} paired steps per variant")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,8 @@ class Accelerator(ProcessControl, TrainingStepMixin, CheckpointingMixin, Trackin
             self.strategy if getattr(self.strategy, "steps_in_backward", False) else None,
         )
         self.callbacks = CallbackRunner(callbacks or ())
-        self.coordinator.notify = lambda hook, *args: self.callbacks.call(hook, self, *args)
+        self.coordinator.callbacks = self.callbacks.callbacks
+        self.coordinator.hook_owner = self
         self.log_with = resolve_log_with(log_with)
         self.trackers: list[GeneralTracker] = []
         self.active_loaders = ActiveLoaders()

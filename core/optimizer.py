@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .callbacks.runner import CallbackRunner
 from .step import StepState
 
 
@@ -93,14 +94,29 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._unscaled = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.step_state.sync_gradients and self.coordinator.engine is None:
-            self.coordinator.notify("on_before_zero_grad", self)
+        coordinator = self.coordinator
+        if self.step_state.sync_gradients and coordinator.engine is None:
+            if coordinator.callbacks:
+                coordinator.notify("on_before_zero_grad", self)
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if not self.step_state.sync_gradients:
             return None
-        return self.coordinator.step(self, closure)
+        coordinator = self.coordinator
+        if (
+            coordinator.scaler is None
+            and coordinator.engine is None
+            and not coordinator.callbacks
+            and not coordinator.pending
+            and len(coordinator.optimizers) == 1
+        ):
+            # The common case, one optimizer and nothing to coordinate: what
+            # StepCoordinator.step would do, without its calls (this runs every step).
+            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            self.step_state.optimizer_steps += 1
+            return result
+        return coordinator.step(self, closure)
 
     def train(self) -> None:
         """Forward ``train()`` for schedule-free optimizers that define it."""
@@ -127,30 +143,41 @@ class StepCoordinator:
         #: A strategy whose engine steps the optimizer inside backward (DeepSpeed); the
         #: prepared optimizers' step() then only records the outcome.
         self.engine = engine
-        #: Fires callback hooks (set by the Accelerator): notify(hook, optimizer).
-        self.notify: Callable[..., None] = lambda hook, *args: None
+        #: The callbacks whose optimizer hooks fire, and the object passed to them first
+        #: (both set by the Accelerator). A plain list: it is checked on every step.
+        self.callbacks: list[Any] = []
+        self.hook_owner: Any = None
         self.optimizers: list[AcceleratedOptimizer] = []
         self.pending: list[AcceleratedOptimizer] = []
 
     def register(self, optimizer: AcceleratedOptimizer) -> None:
         self.optimizers.append(optimizer)
 
+    def notify(self, hook: str, optimizer: AcceleratedOptimizer) -> None:
+        """Fire ``hook(owner, optimizer)`` on the callbacks that define it."""
+        for callback in self.callbacks:
+            CallbackRunner.call_one(callback, hook, self.hook_owner, optimizer)
+
     def step(self, optimizer: AcceleratedOptimizer, closure: Callable[[], float] | None) -> Any:
         # `in` compares by identity here (AcceleratedOptimizer keeps object equality).
         if optimizer in self.pending:
             self.finish()  # it steps again: the previous step is over
         inner = optimizer.optimizer
-        self.notify("on_before_optimizer_step", optimizer)
+        if self.callbacks:
+            self.notify("on_before_optimizer_step", optimizer)
         if self.engine is not None:
             result = None
         elif self.scaler is not None:
             result = self.scaler.step(inner, closure) if closure else self.scaler.step(inner)
         else:
             result = inner.step(closure) if closure is not None else inner.step()
-        self.pending.append(optimizer)
-        if all(o in self.pending for o in self.optimizers):
+        pending = self.pending
+        pending.append(optimizer)
+        # pending holds each registered optimizer at most once (see above).
+        if len(pending) == len(self.optimizers):
             self.finish()
-        self.notify("on_after_optimizer_step", optimizer)
+        if self.callbacks:
+            self.notify("on_after_optimizer_step", optimizer)
         return result
 
     def finish(self) -> None:

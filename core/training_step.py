@@ -40,12 +40,22 @@ class TrainingStepMixin:
         N accumulated micro-batches give the update of one N-times larger batch (also for a
         shorter final cycle of an epoch).
         """
-        self.coordinator.finish()  # a step left open by optimizers that did not all step
-        self.callbacks.call("on_before_backward", self, loss)
+        if self.coordinator.pending:
+            self.coordinator.finish()  # a step left open by optimizers that did not all step
+        # Runs every step: the hooks are only looked up when there are callbacks.
+        hooks = self.callbacks.callbacks
+        if hooks:
+            self.callbacks.call("on_before_backward", self, loss)
         if self.step_state.gradient_accumulation_steps > 1:
             loss = loss / self.step_state.loss_divisor
-        self.strategy.backward(self.precision.scale_loss(loss), **kwargs)
-        self.callbacks.call("on_after_backward", self)
+        if self.precision.scales_loss:
+            loss = self.precision.scale_loss(loss)
+        if self.strategy.plain_backward:
+            loss.backward(**kwargs)
+        else:
+            self.strategy.backward(loss, **kwargs)
+        if hooks:
+            self.callbacks.call("on_after_backward", self)
 
     def call(self, hook: str, *args: Any, **kwargs: Any) -> None:
         """Fire ``hook(accelerator, *args, **kwargs)`` on every callback that defines it

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -48,6 +49,9 @@ _COPIED_ARGUMENTS = (
     "pin_memory_device",
     "in_order",
 )
+
+
+_FLAT = (list, tuple)
 
 
 class DataLoaderPreparationError(ValueError):
@@ -83,7 +87,7 @@ class PreparedDataLoader(DataLoader[Any]):
     ) -> None:
         super().__init__(dataset, **loader_kwargs)
         self.state = state
-        self.device = device
+        self.device = torch.device(device) if device is not None else None
         self.shard = shard
         self.active_loaders = active_loaders if active_loaders is not None else ActiveLoaders()
         self.non_blocking = non_blocking
@@ -227,6 +231,7 @@ class PreparedDataLoader(DataLoader[Any]):
             # Per-batch position updates write the instance dict directly: DataLoader's own
             # __setattr__ is Python code and would run twice for every batch.
             position = self.__dict__
+            device = self.device
             if length is not None:
                 # The position says which batch is last: no look-ahead, so batches are
                 # loaded exactly when plain PyTorch would load them.
@@ -234,6 +239,18 @@ class PreparedDataLoader(DataLoader[Any]):
                     yielded = position["batches_yielded"] + 1
                     position["batches_yielded"] = yielded
                     position["end_of_dataloader"] = yielded >= length
+                    if device is None:
+                        yield batch
+                        continue
+                    # The common batch, a list/tuple of tensors already on the device, is
+                    # checked here rather than in send_to_device: a call less per step.
+                    if type(batch) in _FLAT:
+                        for item in batch:
+                            if type(item) is not Tensor or item.device != device:
+                                break
+                        else:
+                            yield batch
+                            continue
                     yield self._place(batch)
             else:
                 current = next(batches, _EXHAUSTED)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 
 class SeedableRandomSampler(Sampler[int]):
@@ -237,10 +237,55 @@ class ShardedBatchSampler(Sampler[list[Any]]):
             # Each rank takes its own batch if there is one; no duplicates.
             yield [group[r] if r < len(group) else [] for r in range(parts)], len(real)
 
+    def _order_can_be_listed(self) -> bool:
+        """Whether the wrapped sampler is torch's BatchSampler over a sequential or random
+        sampler: its batches are then consecutive slices of one index order, drawn up front
+        (as those samplers draw their whole permutation when iteration starts anyway)."""
+        inner = self.batch_sampler
+        return (
+            type(inner) is BatchSampler
+            and type(inner.sampler) in (SequentialSampler, RandomSampler, SeedableRandomSampler)
+            and not self.split_batches
+            and self.num_processes > 1
+        )
+
     def __iter__(self) -> Iterator[list[Any]]:
         self.final_real_samples = None
         self.uneven_tail = False
         to_skip, self.skip_batches = self.skip_batches, 0
+        # Either way the index order is drawn on the first next(), as plain torch does.
+        if self._order_can_be_listed():
+            return self._batches_from_order(to_skip)
+        return self._batches_from_groups(to_skip)
+
+    def _batches_from_order(self, to_skip: int) -> Iterator[list[Any]]:
+        """This rank's batches sliced straight out of the pass's index order: the batches
+        :meth:`_batches_from_groups` gives, at one generator step per batch (this runs for
+        every training step)."""
+        sampler = self.batch_sampler.sampler  # type: ignore[attr-defined]
+        order: Sequence[Any] = (
+            range(len(sampler)) if type(sampler) is SequentialSampler else list(sampler)
+        )
+        size, parts, rank = int(self.batch_size or 1), self.num_processes, self.process_index
+        global_size = size * parts
+        full = len(order) // global_size
+        for start in range(global_size * to_skip + size * rank, global_size * full, global_size):
+            yield list(order[start : start + size])
+        tail = order[global_size * full :]
+        if not tail or self.drop_last:
+            return
+        if self.even_batches:
+            completed = _complete(list(tail), global_size, list(order[:global_size]))
+            mine = _chunks(completed, parts)[rank]
+        else:
+            mine = list(tail[size * rank : size * (rank + 1)])
+        self.final_real_samples = len(tail)
+        self.uneven_tail = not self.even_batches
+        if mine and to_skip <= full:
+            yield mine
+
+    def _batches_from_groups(self, to_skip: int) -> Iterator[list[Any]]:
+        """This rank's batches, taking the wrapped batch sampler's batches one by one."""
         for parts, real in self._global_batches():
             if real is not None:
                 self.final_real_samples = real

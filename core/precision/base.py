@@ -23,6 +23,12 @@ class Precision:
 
     #: The ``mixed_precision`` value this class implements.
     mode: ClassVar[str] = "no"
+    #: Whether :meth:`scale_loss` changes the loss (the training step skips the call if not).
+    scales_loss: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.scales_loss = cls.scale_loss is not Precision.scale_loss
 
     def __init__(
         self,

@@ -30,6 +30,13 @@ class Strategy:
 
     #: Registry name (``"ddp"``, ``"fsdp"``, ...).
     name: ClassVar[str] = "base"
+    #: False when a subclass overrides :meth:`backward` (an engine that runs it itself);
+    #: otherwise the Accelerator calls ``loss.backward()`` directly, once per step.
+    plain_backward: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.plain_backward = cls.backward is Strategy.backward
 
     def __init__(self, state: ProcessState, **options: Any) -> None:
         self.state = state

@@ -194,3 +194,48 @@ def test_fp16_with_two_optimizers_unscales_each_once_and_updates_the_scale_once(
     assert grads[0].abs().max() < 10, "gradients are unscaled, not multiplied by 256"
     assert acc.step == 1 and not acc.optimizer_step_was_skipped
     assert acc.scaler._get_growth_tracker() == 1, "one loss-scale update per step"
+
+
+def test_backward_calls_loss_scaling_and_strategy_backward_only_where_they_act():
+    from slipstream.precision import Precision
+    from slipstream.strategies import get_strategy_class
+
+    # The training step skips these calls when a class does not override them.
+    assert not Precision.scales_loss and make_precision("fp16", torch.device("cpu")).scales_loss
+    assert get_strategy_class("ddp").plain_backward
+    assert not get_strategy_class("deepspeed").plain_backward
+
+    calls = []
+
+    class Recording(Precision):
+        def scale_loss(self, loss):
+            calls.append("scale")
+            return loss * 2
+
+    acc = Accelerator()
+    acc.precision = Recording(torch.device("cpu"))
+    weight = torch.ones(1, requires_grad=True)
+    acc.backward((weight * 3).sum())
+    assert calls == ["scale"] and weight.grad.item() == 6.0
+
+
+def test_one_optimizer_steps_count_and_callbacks_still_fire():
+    seen = []
+
+    class Hooks:
+        def on_before_optimizer_step(self, accelerator, optimizer):
+            seen.append("before")
+
+        def on_after_optimizer_step(self, accelerator, optimizer):
+            seen.append("after")
+
+    for callbacks in ([], [Hooks()]):
+        acc = Accelerator(callbacks=callbacks)
+        model = nn.Linear(2, 1)
+        optimizer = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.5))
+        for _ in range(3):
+            optimizer.zero_grad()
+            acc.backward(model(torch.ones(1, 2)).sum())
+            optimizer.step()
+        assert acc.step == 3 and not acc.optimizer_step_was_skipped
+    assert seen == ["before", "after"] * 3

@@ -234,3 +234,47 @@ def test_split_batches_with_a_custom_batch_sampler_keeps_ranks_in_step():
         per_rank.append(list(sampler))
         assert len(sampler) == 3 and sampler.final_real_samples == 1
     assert per_rank[0] == [[0, 1], [4, 5], [8, 0]] and per_rank[1] == [[2, 3], [6, 7], [1, 2]]
+
+
+class _OpaqueBatchSampler(BatchSampler):
+    """torch's BatchSampler under another type: ShardedBatchSampler then iterates it batch
+    by batch (the general path) instead of slicing the listed index order."""
+
+
+@pytest.mark.parametrize(
+    "n,batch,world,drop_last,even,skip",
+    [
+        (n, batch, world, drop_last, even, skip)
+        for n, batch, world in itertools.product(SIZES, BATCHES, [2, 3, 4])
+        for drop_last, even, skip in [(False, True, 0), (True, True, 0), (False, False, 0),
+                                      (False, True, 1), (False, False, 3), (False, True, 99)]
+    ],
+)  # fmt: skip
+def test_sliced_index_order_matches_batch_by_batch_grouping(n, batch, world, drop_last, even, skip):
+    for make_sampler in (lambda: SequentialSampler(range(n)), lambda: SeedableRandomSampler(n, 7)):
+        for rank in range(world):
+            views = []
+            for kind in (BatchSampler, _OpaqueBatchSampler):
+                sharded = ShardedBatchSampler(
+                    kind(make_sampler(), batch, drop_last),
+                    num_processes=world,
+                    process_index=rank,
+                    even_batches=even,
+                )
+                sharded.skip_batches = skip
+                batches = list(sharded)
+                views.append((batches, sharded.final_real_samples, sharded.uneven_tail))
+            assert views[0] == views[1], (n, batch, world, rank, drop_last, even, skip)
+            assert all(type(b) is list for b in views[0][0])
+
+
+def test_random_sampler_draws_the_same_order_on_both_paths():
+    from torch import Generator
+    from torch.utils.data import RandomSampler
+
+    views = []
+    for kind in (BatchSampler, _OpaqueBatchSampler):
+        sampler = RandomSampler(range(37), generator=Generator().manual_seed(3))
+        sharded = ShardedBatchSampler(kind(sampler, 4, False), num_processes=2, process_index=1)
+        views.append(list(sharded))
+    assert views[0] == views[1]
