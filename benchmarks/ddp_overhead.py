@@ -2,13 +2,15 @@
 
 Runs on 2 CPU processes (torchrun). Every variant trains the same model on the same global
 batches. They take turns in one process: in each round every variant (in a rotating order)
-runs one untimed warm-up step and then a few timed steps, each timed on its own. A step is
-compared with the hand-written loop's step at the same position of the same round, and the
-median of those per-step ratios is reported. Hugging Face Accelerate and Lightning Fabric are
-included when installed, and a second copy of the hand-written loop ("control") shows how far
-two identical loops differ on this machine. Each variant is built afresh several times
-("generations", in a shuffled order); the final weights of the slipstream and hand-written
-runs must be equal in every generation.
+runs one untimed warm-up step and then a few timed steps, each timed on its own. The
+hand-written loop runs as two identical copies; a step is compared with each copy's step at
+the same position of the same round, and the median of those per-step ratios (the mean over
+the two copies) is reported with a bootstrap 95% interval and the main-thread CPU time per
+step above the hand-written loop's. The second copy against the first ("control") shows how
+far two identical loops differ on this machine. Hugging Face Accelerate and Lightning Fabric
+are included when installed. Every variant is built afresh several times ("generations", in
+a shuffled order); the final weights of every variant must equal the hand-written loop's in
+every generation.
 
 Why the warm-up step: the first step after a *different* library's loop ran is slower for
 every library (Python re-adapts its specialised bytecode to the other objects, caches are
@@ -38,7 +40,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 SIZES = {"tiny": (32, 2), "medium": (1024, 6)}  # (width, layers)
 # (generations, rounds per generation, timed steps per round): many short paired rounds, as a
 # 2-process step on 2 shared cores jitters by tens of percent from one step to the next.
-ROUNDS = {"tiny": (4, 300, 3), "medium": (3, 20, 2)}
+ROUNDS = {"tiny": (12, 100, 3), "medium": (6, 20, 2)}
 WARMUP_STEPS = 1
 PER_PROCESS_BATCH = 16
 
@@ -209,26 +211,38 @@ def _generation(
                 run.step(batch)
                 cpu[run.name].append(time.thread_time() - start_cpu)
                 wall[run.name].append(time.perf_counter() - start)
-    reference = runs[0].weights()
+    reference = next(run for run in runs if run.name == "torch").weights()
     return {
         run.name: all(torch.equal(a, b) for a, b in zip(reference, run.weights(), strict=True))
-        for run in runs[1:]
+        for run in runs
+        if run.name != "torch"
     }
 
 
-def _median_ratio_interval(
-    values: list[float], base: list[float], timed: int, draws: int = 400
-) -> tuple[float, float]:
-    """95% bootstrap interval of the median per-step ratio, resampling whole rounds (the
-    steps of one round share its conditions)."""
-    ratios = [v / b for v, b in zip(values, base, strict=True)]
-    rounds = [ratios[i : i + timed] for i in range(0, len(ratios), timed)]
-    pick = random.Random(1)
-    medians = sorted(
-        statistics.median([r for _ in rounds for r in rounds[pick.randrange(len(rounds))]])
-        for _ in range(draws)
+def _median_ratio(values: list[float], bases: list[list[float]]) -> float:
+    """Median per-step ratio against each baseline (paired step by step), averaged."""
+    return statistics.fmean(
+        statistics.median([v / b for v, b in zip(values, base, strict=True)]) for base in bases
     )
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def _median_ratio_interval(
+    values: list[float], bases: list[list[float]], timed: int, draws: int = 300
+) -> tuple[float, float]:
+    """95% bootstrap interval of :func:`_median_ratio`, resampling whole rounds (the steps
+    of one round share its conditions)."""
+    rounds = range(0, len(values), timed)
+    pick = random.Random(1)
+    estimates = []
+    for _ in range(draws):
+        chosen = [i + j for i in pick.choices(rounds, k=len(rounds)) for j in range(timed)]
+        estimates.append(
+            _median_ratio(
+                [values[i] for i in chosen], [[base[i] for i in chosen] for base in bases]
+            )
+        )
+    estimates.sort()
+    return estimates[int(0.025 * draws)], estimates[int(0.975 * draws) - 1]
 
 
 def worker(size: str, generations: int, rounds: int, timed: int) -> None:
@@ -239,34 +253,43 @@ def worker(size: str, generations: int, rounds: int, timed: int) -> None:
     equal: dict[str, bool] = {kind.name: True for kind in variants[1:]}
     shuffle = random.Random(0)  # the same order on every rank
     for _ in range(generations):
-        # A fresh set of objects each generation, built in a different order, so that no
-        # variant keeps a lucky (or unlucky) memory layout for the whole run.
-        order = variants[1:]
+        # A fresh set of objects each generation, built (and rotated) in a different order,
+        # so that no variant keeps a lucky or unlucky memory layout or neighbour all run.
+        order = list(variants)
         shuffle.shuffle(order)
-        for name, same in _generation(
-            [variants[0], *order], size, rounds, timed, wall, cpu
-        ).items():
+        for name, same in _generation(order, size, rounds, timed, wall, cpu).items():
             equal[name] = equal[name] and same
         gc.collect()
     if dist.get_rank() == 0:
-        base, base_cpu = wall["torch"], cpu["torch"]
+        # Step i of a variant is compared with step i of the hand-written loop in the same
+        # round, against each of its two identical copies separately (a mean of two steps
+        # would not be distributed like one step), and the two median ratios are averaged;
+        # the control, the second copy, is compared with the first alone, which shows how
+        # far two identical loops differ on this machine.
+        def bases(name: str, measured: dict[str, list[float]]) -> list[list[float]]:
+            if name == "control":
+                return [measured["torch"]]
+            return [measured["torch"], measured["control"]]
+
         report = {
             "size": size,
-            "steps": len(base),
+            "steps": len(wall["torch"]),
             "medians": {name: statistics.median(values) for name, values in wall.items()},
-            # Step i of a variant against step i of the hand-written loop in the same round.
             "ratios": {
-                name: statistics.median([v / b for v, b in zip(values, base, strict=True)])
-                for name, values in wall.items()
+                name: _median_ratio(values, bases(name, wall)) for name, values in wall.items()
             },
             "intervals": {
-                name: _median_ratio_interval(values, base, timed) for name, values in wall.items()
+                name: _median_ratio_interval(values, bases(name, wall), timed)
+                for name, values in wall.items()
             },
             # Main-thread CPU time per step above the hand-written loop's: the work the
             # library itself adds, without the waiting on the other process.
             "cpu_extra_us": {
                 name: 1e6
-                * statistics.median([v - b for v, b in zip(values, base_cpu, strict=True)])
+                * statistics.fmean(
+                    statistics.median([v - b for v, b in zip(values, base, strict=True)])
+                    for base in bases(name, cpu)
+                )
                 for name, values in cpu.items()
             },
             "weights_equal": equal,
@@ -293,10 +316,11 @@ def main() -> None:
                      "--rounds", str(args.rounds or rounds),
                      "--timed", str(args.timed or timed)]  # fmt: skip
         result = workers.run_workers(__file__, arguments)[0]
-        medians, base = result["medians"], result["medians"]["torch"]
+        medians = result["medians"]
         for name, ratio in result["ratios"].items():
             if name == "torch":
                 continue
+            base = medians["torch"]
             same = "equal" if result["weights_equal"][name] else "DIFFERENT"
             low, high = result["intervals"][name]
             print(
