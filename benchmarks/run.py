@@ -1,7 +1,7 @@
 """Run every benchmark and write a report: a table on stdout, ``results/report.md`` and a
 chart of the ratios against their targets, ``results/ratios.png``.
 
-    python benchmarks/run.py            # full sizes (about 9 minutes on 2 cores)
+    python benchmarks/run.py            # full sizes (about 8 minutes on 2 cores)
     python benchmarks/run.py --quick    # smoke test of every script
 """
 
