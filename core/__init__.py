@@ -34,7 +34,7 @@ _EXPORTS = {
     "GradScalerKwargs": "kwargs",
     "GradientNormMonitor": "callbacks",
     "InitProcessGroupKwargs": "kwargs",
-    "PrepareError": "accelerator",
+    "PrepareError": "preparation",
     "ProcessState": "state",
     "ProjectConfiguration": "kwargs",
     "ThroughputMonitor": "callbacks",
