@@ -143,3 +143,28 @@ def test_scheduler_steps_once_per_process_unless_batches_are_split():
     assert per_process["type"] == "MULTI_CPU"
     assert "already wrapped in DistributedDataParallel" in per_process["error"]
     assert run_distributed(_scheduler_and_wrapping, True)[0]["lr"] == 0.5
+
+
+def _parameter_storage() -> dict:
+    acc = Accelerator()
+    model = _model()
+    before = [(p.data_ptr(), id(p)) for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    prepared_model, prepared_optimizer = acc.prepare(model, optimizer)
+    after = [(p.data_ptr(), id(p)) for p in acc.unwrap_model(prepared_model).parameters()]
+    in_optimizer = [id(p) for group in prepared_optimizer.param_groups for p in group["params"]]
+    return {
+        "wrapped": type(prepared_model).__name__,
+        "same": before == after,
+        "optimizer_same": in_optimizer == [pid for _, pid in before],
+    }
+
+
+def test_prepare_keeps_the_parameters_it_was_given():
+    # The wrapper adds no copies: DDP on CPU trains the very tensors the user built.
+    for result in run_distributed(_parameter_storage):
+        assert result == {
+            "wrapped": "DistributedDataParallel",
+            "same": True,
+            "optimizer_same": True,
+        }
