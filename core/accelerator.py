@@ -190,7 +190,7 @@ class Accelerator(
             self.strategy if getattr(self.strategy, "steps_in_backward", False) else None,
         )
         self.callbacks = CallbackRunner(callbacks or ())
-        self.coordinator.callbacks = self.callbacks.callbacks
+        self.coordinator.callbacks = self.callbacks
         self.coordinator.hook_owner = self
         self.log_with = resolve_log_with(log_with)
         self.trackers: list[GeneralTracker] = []

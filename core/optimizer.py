@@ -96,27 +96,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         coordinator = self.coordinator
         if self.step_state.sync_gradients and coordinator.engine is None:
-            if coordinator.callbacks:
+            if coordinator.callbacks.callbacks:
                 coordinator.notify("on_before_zero_grad", self)
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if not self.step_state.sync_gradients:
             return None
-        coordinator = self.coordinator
-        if (
-            coordinator.scaler is None
-            and coordinator.engine is None
-            and not coordinator.callbacks
-            and not coordinator.pending
-            and len(coordinator.optimizers) == 1
-        ):
-            # The common case, one optimizer and nothing to coordinate: what
-            # StepCoordinator.step would do, without its calls (this runs every step).
-            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-            self.step_state.optimizer_steps += 1
-            return result
-        return coordinator.step(self, closure)
+        return self.coordinator.step(self, closure)
 
     def train(self) -> None:
         """Forward ``train()`` for schedule-free optimizers that define it."""
@@ -144,8 +131,8 @@ class StepCoordinator:
         #: prepared optimizers' step() then only records the outcome.
         self.engine = engine
         #: The callbacks whose optimizer hooks fire, and the object passed to them first
-        #: (both set by the Accelerator). A plain list: it is checked on every step.
-        self.callbacks: list[Any] = []
+        #: (both set by the Accelerator; hooks are skipped while there are no callbacks).
+        self.callbacks = CallbackRunner()
         self.hook_owner: Any = None
         self.optimizers: list[AcceleratedOptimizer] = []
         self.pending: list[AcceleratedOptimizer] = []
@@ -155,15 +142,14 @@ class StepCoordinator:
 
     def notify(self, hook: str, optimizer: AcceleratedOptimizer) -> None:
         """Fire ``hook(owner, optimizer)`` on the callbacks that define it."""
-        for callback in self.callbacks:
-            CallbackRunner.call_one(callback, hook, self.hook_owner, optimizer)
+        self.callbacks.call(hook, self.hook_owner, optimizer)
 
     def step(self, optimizer: AcceleratedOptimizer, closure: Callable[[], float] | None) -> Any:
         # `in` compares by identity here (AcceleratedOptimizer keeps object equality).
         if optimizer in self.pending:
             self.finish()  # it steps again: the previous step is over
         inner = optimizer.optimizer
-        if self.callbacks:
+        if self.callbacks.callbacks:
             self.notify("on_before_optimizer_step", optimizer)
         if self.engine is not None:
             result = None
@@ -176,7 +162,7 @@ class StepCoordinator:
         # pending holds each registered optimizer at most once (see above).
         if len(pending) == len(self.optimizers):
             self.finish()
-        if self.callbacks:
+        if self.callbacks.callbacks:
             self.notify("on_after_optimizer_step", optimizer)
         return result
 

@@ -77,14 +77,20 @@ def describe(data: Any) -> Any:
     return type(data).__name__
 
 
+def _tensors_on(items: list[Any] | tuple[Any, ...], device: torch.device) -> bool:
+    # A plain loop, not all(<generator>): no generator frame resumed per item, every batch.
+    for item in items:  # noqa: SIM110
+        if type(item) is not torch.Tensor or item.device != device:
+            return False
+    return True
+
+
 def send_to_device(data: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
     """Move every tensor (and every object with a ``.to`` method) in ``data`` to ``device``."""
-    if isinstance(data, (list, tuple)):
+    if isinstance(data, (list, tuple)) and _tensors_on(data, torch.device(device)):
         # The common batch, a flat list/tuple of tensors already in place (CPU training), is
         # returned as is: this runs for every batch.
-        target = torch.device(device)
-        if all(type(v) is torch.Tensor and v.device == target for v in data):
-            return data
+        return data
 
     def is_movable(value: Any) -> bool:
         return isinstance(value, torch.Tensor) or (

@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -49,9 +48,6 @@ _COPIED_ARGUMENTS = (
     "pin_memory_device",
     "in_order",
 )
-
-
-_FLAT = (list, tuple)
 
 
 class DataLoaderPreparationError(ValueError):
@@ -231,7 +227,6 @@ class PreparedDataLoader(DataLoader[Any]):
             # Per-batch position updates write the instance dict directly: DataLoader's own
             # __setattr__ is Python code and would run twice for every batch.
             position = self.__dict__
-            device = self.device
             if length is not None:
                 # The position says which batch is last: no look-ahead, so batches are
                 # loaded exactly when plain PyTorch would load them.
@@ -239,18 +234,6 @@ class PreparedDataLoader(DataLoader[Any]):
                     yielded = position["batches_yielded"] + 1
                     position["batches_yielded"] = yielded
                     position["end_of_dataloader"] = yielded >= length
-                    if device is None:
-                        yield batch
-                        continue
-                    # The common batch, a list/tuple of tensors already on the device, is
-                    # checked here rather than in send_to_device: a call less per step.
-                    if type(batch) in _FLAT:
-                        for item in batch:
-                            if type(item) is not Tensor or item.device != device:
-                                break
-                        else:
-                            yield batch
-                            continue
                     yield self._place(batch)
             else:
                 current = next(batches, _EXHAUSTED)
