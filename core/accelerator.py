@@ -41,6 +41,8 @@ from .kwargs import (
     TorchDynamoPlugin,
 )
 from .optimizer import AcceleratedOptimizer, StepCoordinator
+from .parallel import ParallelismConfig
+from .parallel.api import ParallelMixin
 from .precision import Precision, canonical_mode, make_precision, restore_forward
 from .preparation import PreparationMixin
 from .process_control import ProcessControl
@@ -85,7 +87,12 @@ _STRATEGY_FOR_TYPE = {
 
 
 class Accelerator(
-    ProcessControl, PreparationMixin, TrainingStepMixin, CheckpointingMixin, TrackingMixin
+    ProcessControl,
+    PreparationMixin,
+    TrainingStepMixin,
+    CheckpointingMixin,
+    TrackingMixin,
+    ParallelMixin,
 ):
     """Runs one training script on a CPU, several processes, GPUs or machines.
 
@@ -110,6 +117,9 @@ class Accelerator(
             ``distributed_type: FSDP`` with an ``fsdp_config`` block in the config file).
         deepspeed_plugin: train with DeepSpeed ZeRO using these options (also chosen by
             ``distributed_type: DEEPSPEED`` with a ``deepspeed_config`` block).
+        parallelism_config: arrange the processes in a device mesh with tensor, context and
+            (hybrid) sharded data parallelism (also read from a ``parallelism_config`` block);
+            see :class:`slipstream.ParallelismConfig`.
         log_with: experiment trackers ("csv", "tensorboard", "wandb", "mlflow", "all" or
             GeneralTracker objects), started by :meth:`init_trackers`.
         callbacks: objects whose hook methods are called during training (see
@@ -136,6 +146,7 @@ class Accelerator(
         deepspeed_plugin: DeepSpeedPlugin | None = None,
         log_with: str | GeneralTracker | Sequence[str | GeneralTracker] | None = None,
         callbacks: Sequence[Any] | None = None,
+        parallelism_config: ParallelismConfig | None = None,
     ) -> None:
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
@@ -164,6 +175,7 @@ class Accelerator(
         scaler = handlers.get(GradScalerKwargs)
         assert isinstance(autocast, AutocastKwargs)
         mode = canonical_mode(mixed_precision or launch.get("mixed_precision") or "no")
+        self.parallelism_config = self._parallelism_config(parallelism_config, launch)
         strategy_name = self._strategy_name(launch, fsdp_plugin, deepspeed_plugin)
         known = strategy_name in available_strategies()
         strategy_class = get_strategy_class(strategy_name) if known else None
@@ -256,11 +268,14 @@ class Accelerator(
     ) -> str:
         if fsdp_plugin is not None and deepspeed_plugin is not None:
             raise ValueError("pass fsdp_plugin or deepspeed_plugin, not both")
+        requested = _STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
+        if deepspeed_plugin is not None or (fsdp_plugin is None and requested == "deepspeed"):
+            self._check_deepspeed_layout()
+            return "deepspeed"
+        if self.parallelism_config is not None:
+            return "model_parallel"
         if fsdp_plugin is not None:
             return "fsdp"
-        if deepspeed_plugin is not None:
-            return "deepspeed"
-        requested = _STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
         return requested or ("ddp" if self.state.num_processes > 1 else "single")
 
     def _build_strategy(
@@ -276,13 +291,17 @@ class Accelerator(
         if name == "ddp":
             ddp = handlers.get(DistributedDataParallelKwargs)
             options = ddp.to_kwargs() if ddp is not None else {}
-        elif name == "fsdp":
+        elif name in ("fsdp", "model_parallel"):
             options = {
                 "plugin": fsdp_plugin
                 or FullyShardedDataParallelPlugin.from_config(launch.get("fsdp_config") or {}),
                 "mixed_precision": self.mixed_precision,
                 "convert_outputs_to_fp32": autocast.convert_outputs_to_fp32,
             }
+            if name == "model_parallel":
+                options["parallelism"] = self.parallelism_config
+                if fsdp_plugin is None and not launch.get("fsdp_config"):
+                    options["plugin"] = None  # the strategy's defaults (sharded checkpoints)
         elif name == "deepspeed":
             options = {
                 "plugin": deepspeed_plugin
@@ -349,37 +368,45 @@ class Accelerator(
         return self.strategy.model_state_dict(model)
 
     # -- collectives --------------------------------------------------------------------------
+    # They work over the data-parallel processes: under tensor, context or pipeline
+    # parallelism the processes of one group hold the same samples, and counting each once
+    # is what makes gathered predictions and reduced losses right.
     def gather(self, tensor: Any) -> Any:
-        """Concatenate tensors from all processes along dim 0 (see :func:`slipstream.gather`)."""
-        return collectives.gather(tensor, state=self.state)
+        """Concatenate tensors from all data-parallel processes along dim 0 (see
+        :func:`slipstream.gather`)."""
+        return collectives.gather(tensor, state=self.state.data_parallel)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather predictions/labels and drop the samples duplicated to even out the final
         batch, so metrics see every sample of the evaluation set exactly once."""
+        state = self.state.data_parallel
         loader = self.active_loaders.innermost
         has_tensors = bool(tensor_leaves(input_data))
         if use_gather_object or not has_tensors:
-            gathered: Any = collectives.gather_object(input_data, state=self.state)
+            gathered: Any = collectives.gather_object(input_data, state=state)
         elif loader is not None and loader.end_of_dataloader and loader.uneven_tail:
-            gathered = collectives.gather_uneven(input_data, state=self.state)
+            gathered = collectives.gather_uneven(input_data, state=state)
         else:
-            gathered = collectives.gather(input_data, state=self.state)
+            gathered = collectives.gather(input_data, state=state)
         real = loader.final_real_samples if loader is not None else None
-        if real is None or self.num_processes == 1:
+        if real is None or state.num_processes == 1:
             return gathered
         if isinstance(gathered, list) and (use_gather_object or not has_tensors):
             return gathered[:real]
         return map_tensors(lambda t: t[:real], gathered)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Sum or average tensors over processes (see :func:`slipstream.reduce`)."""
-        return collectives.reduce(tensor, reduction, scale, state=self.state)
+        """Sum or average tensors over the data-parallel processes (see
+        :func:`slipstream.reduce`)."""
+        return collectives.reduce(tensor, reduction, scale, state=self.state.data_parallel)
 
     def pad_across_processes(
         self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
     ) -> Any:
-        """Pad tensors along ``dim`` to the largest size on any process."""
-        return collectives.pad_across_processes(tensor, dim, pad_index, pad_first, state=self.state)
+        """Pad tensors along ``dim`` to the largest size on any data-parallel process."""
+        return collectives.pad_across_processes(
+            tensor, dim, pad_index, pad_first, state=self.state.data_parallel
+        )
 
     def skip_first_batches(self, dataloader: DataLoader[Any], num_batches: int = 0) -> Any:
         """The loader, set to start its next pass after ``num_batches`` batches."""

@@ -40,14 +40,16 @@ def _state(state: ProcessState | None) -> ProcessState:
     return state if state is not None else current_state()
 
 
-def _gather_tensor(tensor: torch.Tensor, world: int) -> torch.Tensor:
+def _gather_tensor(tensor: torch.Tensor, state: ProcessState) -> torch.Tensor:
     if tensor.ndim == 0:
         tensor = tensor.reshape(1)
     tensor = tensor.contiguous()
     output = torch.empty(
-        (world * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+        (state.num_processes * tensor.shape[0], *tensor.shape[1:]),
+        dtype=tensor.dtype,
+        device=tensor.device,
     )
-    _all_gather_single(output, tensor)
+    _all_gather_single(output, tensor, group=state.group)
     return output
 
 
@@ -82,7 +84,7 @@ def gather(data: Any, *, state: ProcessState | None = None) -> Any:
     if state.num_processes == 1:
         return map_tensors(lambda t: t.reshape(1) if t.ndim == 0 else t, data)
     verify_collective(state, "gather", data)
-    return map_tensors(lambda t: _gather_tensor(t, state.num_processes), data)
+    return map_tensors(lambda t: _gather_tensor(t, state), data)
 
 
 @collective("gather")
@@ -98,7 +100,7 @@ def gather_uneven(data: Any, *, state: ProcessState | None = None) -> Any:
     verify_collective(state, "gather", data, free_dim=0)
     device = tensors[0].device
     lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=device)
-    all_lengths = _gather_tensor(lengths, state.num_processes).view(state.num_processes, -1)
+    all_lengths = _gather_tensor(lengths, state).view(state.num_processes, -1)
     gathered = []
     for i, tensor in enumerate(tensors):
         per_rank = all_lengths[:, i].tolist()
@@ -107,7 +109,7 @@ def gather_uneven(data: Any, *, state: ProcessState | None = None) -> Any:
             gathered.append(tensor)
             continue
         padded = _pad_dim(tensor, 0, longest, 0, pad_first=False)
-        everyone = _gather_tensor(padded, state.num_processes).split(longest)
+        everyone = _gather_tensor(padded, state).split(longest)
         gathered.append(torch.cat([part[:n] for part, n in zip(everyone, per_rank, strict=True)]))
     return replace_tensors(data, gathered)
 
@@ -124,7 +126,7 @@ def gather_object(obj: Any, *, state: ProcessState | None = None) -> list[Any]:
         return list(obj) if isinstance(obj, (list, tuple)) else [obj]
     verify_collective(state, "gather_object", compare_data=False)
     everyone: list[Any] = [None] * state.num_processes
-    dist.all_gather_object(everyone, obj)
+    dist.all_gather_object(everyone, obj, group=state.group)
     if isinstance(obj, (list, tuple)):
         return [item for part in everyone for item in part]
     return everyone
@@ -174,7 +176,7 @@ def pad_across_processes(
     sizes = torch.tensor(
         [t.shape[dim] for t in tensors], dtype=torch.int64, device=tensors[0].device
     )
-    largest = _gather_tensor(sizes, state.num_processes).view(state.num_processes, -1).amax(0)
+    largest = _gather_tensor(sizes, state).view(state.num_processes, -1).amax(0)
     padded = [
         _pad_dim(t, dim, int(n), pad_index, pad_first)
         for t, n in zip(tensors, largest.tolist(), strict=True)
@@ -213,7 +215,7 @@ def reduce(
             raise TypeError("reduce() of a bool tensor is ambiguous; convert it to int first")
         result = tensor.clone()
         if world > 1:
-            dist.all_reduce(result, op=operations[reduction])
+            dist.all_reduce(result, op=operations[reduction], group=state.group)
         if reduction == "mean":
             result = result / world
         return result * scale if scale != 1.0 else result
@@ -230,8 +232,10 @@ def broadcast(data: Any, from_process: int = 0, *, state: ProcessState | None = 
     _check_source(from_process, state)
     verify_collective(state, "broadcast", data, from_process=from_process)
 
+    source = state.global_rank(from_process)
+
     def one(tensor: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(tensor, src=from_process)
+        dist.broadcast(tensor, src=source, group=state.group)
         return tensor
 
     return map_tensors(one, data)
@@ -253,7 +257,7 @@ def broadcast_object_list(
         length=len(objects),
         from_process=from_process,
     )
-    dist.broadcast_object_list(objects, src=from_process)
+    dist.broadcast_object_list(objects, src=state.global_rank(from_process), group=state.group)
     return objects
 
 

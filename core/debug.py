@@ -113,7 +113,7 @@ def verify_collective(
     comparable = _drop_dim(summary, free_dim) if free_dim is not None else summary
     mine = {"operation": operation, "options": options, "data": comparable}
     everyone: list[Any] = [None] * state.num_processes
-    dist.all_gather_object(everyone, {"key": mine, "shown": summary})
+    dist.all_gather_object(everyone, {"key": mine, "shown": summary}, group=state.group)
     if all(entry["key"] == everyone[0]["key"] for entry in everyone):
         return
     lines = [

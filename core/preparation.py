@@ -212,7 +212,7 @@ class PreparationMixin:
             for opt in self._optimizers
             if opt.optimizer is inner or opt is inner or opt.original is inner
         ]
-        steps = 1 if self.dataloader_config.split_batches else self.state.num_processes
+        steps = 1 if self.dataloader_config.split_batches else self.state.data_parallel_size
         prepared = AcceleratedScheduler(
             scheduler,
             owners,

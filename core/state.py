@@ -19,12 +19,17 @@ import enum
 import sys
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .env import LaunchEnvironment, read_launch_environment
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .parallel import ParallelismConfig, ParallelMesh
 
 
 class DistributedType(str, enum.Enum):
@@ -86,6 +91,14 @@ class ProcessState:
         self.owns_process_group = owns_process_group
         self.debug = debug
         self.launch = launch if launch is not None else LaunchEnvironment()
+        #: The process group collectives on this state use (``None``: all processes).
+        self.group: dist.ProcessGroup | None = None
+        #: Global ranks of this state's processes, by index (``None``: the identity).
+        self.global_ranks: list[int] | None = None
+        #: The parallel layout, once :meth:`configure_parallelism` has built it.
+        self.parallelism: ParallelismConfig | None = None
+        self.mesh: ParallelMesh | None = None
+        self._data_parallel: ProcessState | None = None
 
     @classmethod
     def from_environment(
@@ -196,6 +209,82 @@ class ProcessState:
             DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
         )
 
+    # -- the parallel layout ---------------------------------------------------------------
+    def configure_parallelism(self, config: ParallelismConfig) -> ParallelMesh:
+        """Arrange the processes as ``config`` says and build the job's DeviceMesh (once).
+
+        A collective: every process must call it. Asking again for the same sizes returns
+        the existing mesh; asking for different ones is an error.
+        """
+        from .parallel import ParallelismConfigError, ParallelMesh
+
+        sizes = config.resolve(self.num_processes)
+        if self.mesh is not None:
+            if self.mesh.sizes != sizes:
+                raise ParallelismConfigError(
+                    f"the processes are already arranged as {self.mesh.sizes.describe()}; a job "
+                    f"has one layout, so {sizes.describe()} cannot be used as well. Create one "
+                    "Accelerator per process, with one ParallelismConfig"
+                )
+        else:
+            self.ensure_process_group()
+            self.mesh = ParallelMesh(sizes, self.device.type)
+            self._data_parallel = None
+        self.parallelism = config
+        return self.mesh
+
+    def ensure_process_group(self) -> None:
+        """Form a one-member process group when running alone (FSDP2, DTensor and their
+        checkpoints need a group even for one process)."""
+        if self.num_processes == 1 and not dist.is_initialized():
+            backend = default_backend(self.device)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The job's ``torch.distributed.DeviceMesh`` (``None`` without a parallel layout)."""
+        return self.mesh.mesh if self.mesh is not None else None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Processes that see different samples (all of them without a parallel layout)."""
+        return self.mesh.data_parallel_size if self.mesh is not None else self.num_processes
+
+    @property
+    def data_parallel_index(self) -> int:
+        """Which share of the data this process reads (``0..data_parallel_size-1``)."""
+        return self.mesh.data_parallel_rank if self.mesh is not None else self.process_index
+
+    @property
+    def data_parallel(self) -> ProcessState:
+        """This state seen over the data-parallel processes only: collectives on it gather
+        and reduce over the processes that hold different samples. Itself without a
+        parallel layout (or when every process holds different samples)."""
+        if self.mesh is None or self.mesh.data_parallel_size == self.num_processes:
+            return self
+        view = self._data_parallel
+        if view is None:
+            mesh = self.mesh.data_parallel_mesh
+            view = ProcessState(
+                process_index=self.mesh.data_parallel_rank,
+                num_processes=self.mesh.data_parallel_size,
+                local_process_index=self.local_process_index,
+                num_local_processes=self.num_local_processes,
+                device=self.device,
+                backend=self.backend,
+                owns_process_group=False,
+                launch=self.launch,
+            )
+            view.group = mesh.get_group()
+            view.global_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+            self._data_parallel = view
+        view.debug = self.debug
+        return view
+
+    def global_rank(self, index: int) -> int:
+        """The global rank of this state's process number ``index``."""
+        return self.global_ranks[index] if self.global_ranks is not None else index
+
     # -- synchronisation ------------------------------------------------------------------
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this point."""
@@ -204,15 +293,17 @@ class ProcessState:
         if self.num_processes > 1:
             with guarded("wait_for_everyone", self.process_index):
                 if self.backend == "nccl":
-                    dist.barrier(device_ids=[self.device.index or 0])
+                    dist.barrier(group=self.group, device_ids=[self.device.index or 0])
                 else:
-                    dist.barrier()
+                    dist.barrier(group=self.group)
 
     def destroy(self) -> None:
         """Tear the process group down if this state created it."""
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_process_group = False
+        self.mesh = None
+        self._data_parallel = None
 
     def __repr__(self) -> str:
         return (

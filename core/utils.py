@@ -21,6 +21,7 @@ from .kwargs import (
 )
 from .memory import find_executable_batch_size, release_memory
 from .notebook import notebook_launcher
+from .parallel import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from .random import set_seed
 from .state import DistributedType
 from .strategies import (
@@ -46,9 +47,12 @@ __all__ = [
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "MLflowTracker",
+    "ParallelismConfig",
     "ProjectConfiguration",
     "TensorBoardTracker",
+    "TorchContextParallelConfig",
     "TorchDynamoPlugin",
+    "TorchTensorParallelConfig",
     "WandBTracker",
     "broadcast",
     "broadcast_object_list",

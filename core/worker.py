@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         if caused_by_peer(error):
             time.sleep(PEER_FAILURE_GRACE_SECONDS)
         _record(error, path)
-        sys.exit(1)
+        from .config import ConfigError
+
+        # A configuration error (bad parallel sizes, say) is the user's input, like a bad
+        # flag: exit code 2, which the launcher passes on.
+        sys.exit(2 if isinstance(error, ConfigError) else 1)
 
 
 if __name__ == "__main__":

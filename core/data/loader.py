@@ -184,7 +184,7 @@ class PreparedDataLoader(DataLoader[Any]):
         if size is None:
             return None
         split = getattr(self.shard, "split_batches", False)
-        return size if split else size * self.state.num_processes
+        return size if split else size * self.state.data_parallel_size
 
     # -- iteration ----------------------------------------------------------------------
     def skip_next_pass(self, num_batches: int) -> None:
@@ -273,7 +273,7 @@ class PreparedDataLoader(DataLoader[Any]):
                 state.tolist() if state is not None else None
                 for state in self._pass_generator_states
             ],
-            "num_processes": self.state.num_processes,
+            "num_processes": self.state.data_parallel_size,
             "split_batches": bool(getattr(self.shard, "split_batches", False)),
         }
 
@@ -292,20 +292,22 @@ class PreparedDataLoader(DataLoader[Any]):
         self.skip_next_pass(self.resume_position(state))
 
     def resume_position(self, state: dict[str, Any]) -> int:
-        """Batches to skip, translated when the checkpoint came from another world size."""
+        """Batches to skip, translated when the checkpoint came from another number of
+        data-parallel processes."""
         done = int(state["batches_yielded"])
-        saved_world = int(state.get("num_processes", self.state.num_processes))
-        if done == 0 or saved_world == self.state.num_processes or state.get("split_batches"):
+        saved_world = int(state.get("num_processes", self.state.data_parallel_size))
+        world = self.state.data_parallel_size
+        if done == 0 or saved_world == world or state.get("split_batches"):
             return done
         samples = done * saved_world
-        if samples % self.state.num_processes:
+        if samples % world:
             raise ValueError(
                 f"this dataloader stopped mid-epoch after {done} batches on each of {saved_world} "
-                f"processes; that position has no equivalent on {self.state.num_processes} "
-                f"processes. Resume with {saved_world} processes, or from a checkpoint saved at "
-                "an epoch boundary"
+                f"data-parallel processes; that position has no equivalent on {world}. Resume "
+                f"with {saved_world} data-parallel processes, or from a checkpoint saved at an "
+                "epoch boundary"
             )
-        return samples // self.state.num_processes
+        return samples // world
 
 
 _EXHAUSTED = object()
@@ -361,6 +363,8 @@ def prepare_data_loader(
 
     Without ``split_batches`` each process loads batches of the script's size (the global
     batch grows with the number of processes); with it each batch is split across processes.
+    Under a parallel layout only the data-parallel coordinates count: the processes of one
+    tensor-, context- or pipeline-parallel group receive the same samples.
     """
     if isinstance(loader, PreparedDataLoader):
         raise DataLoaderPreparationError(
@@ -381,7 +385,7 @@ def prepare_data_loader(
                 "cannot shard a DataLoader over an IterableDataset with batch_size=None; "
                 "create the DataLoader with batch_size=N so slipstream can split batches"
             )
-        if loader.num_workers > 0 and state.num_processes > 1:
+        if loader.num_workers > 0 and state.data_parallel_size > 1:
             raise DataLoaderPreparationError(
                 f"cannot shard an IterableDataset read by worker processes (num_workers="
                 f"{loader.num_workers}): each worker would pad and split the stream on its own, "
@@ -390,8 +394,8 @@ def prepare_data_loader(
         shard = IterableDatasetShard(
             dataset,
             batch_size=loader.batch_size,
-            num_processes=state.num_processes,
-            process_index=state.process_index,
+            num_processes=state.data_parallel_size,
+            process_index=state.data_parallel_index,
             split_batches=split_batches,
             even_batches=even_batches,
             drop_last=loader.drop_last,
@@ -419,8 +423,8 @@ def prepare_data_loader(
         )
     sharded = ShardedBatchSampler(
         _seeded_batch_sampler(loader, state),
-        num_processes=state.num_processes,
-        process_index=state.process_index,
+        num_processes=state.data_parallel_size,
+        process_index=state.data_parallel_index,
         split_batches=split_batches,
         even_batches=even_batches,
     )

@@ -24,6 +24,7 @@ _REGISTRY: dict[str, type[Strategy] | str] = {
     "ddp": DDPStrategy,
     "fsdp": "slipstream.strategies.fsdp:FSDPStrategy",
     "deepspeed": "slipstream.strategies.deepspeed:DeepSpeedStrategy",
+    "model_parallel": "slipstream.strategies.model_parallel:ModelParallelStrategy",
 }
 
 

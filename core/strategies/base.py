@@ -164,5 +164,28 @@ def check_matching_weights(model: nn.Module, tensors: dict[str, torch.Tensor], w
         )
 
 
+def sync_module_states(model: nn.Module, state: ProcessState) -> None:
+    """Give every process process 0's parameters and buffers (as DDP does when it wraps).
+
+    Sharding strategies take each process's part of its *local* weights; without this a
+    model initialised differently on some process (a rank-dependent seed, say) would be
+    silently assembled from different initialisations.
+    """
+    if state.num_processes == 1:
+        return
+    import torch.distributed as dist
+
+    tensors = [t.detach() for t in [*model.parameters(), *model.buffers()]]
+    if any(t.is_meta for t in tensors):
+        return  # nothing to copy yet; the weights are materialised or loaded later
+    coalesced = getattr(dist, "_broadcast_coalesced", None)
+    group = dist.group.WORLD if state.group is None else state.group
+    if coalesced is not None and tensors:
+        coalesced(group, tensors, 64 * 1024 * 1024, 0)
+    else:
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0)
+
+
 def _load_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     model.load_state_dict(tensors, strict=True)

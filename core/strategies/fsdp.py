@@ -14,12 +14,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.distributed as dist
 import torch.distributed.fsdp
 from torch import nn
 
 from ..state import DistributedType, ProcessState
-from .base import Strategy, check_matching_weights, indexed_name
+from .base import Strategy, check_matching_weights, indexed_name, sync_module_states
 from .fsdp_plugin import FullyShardedDataParallelPlugin
 
 if TYPE_CHECKING:
@@ -57,10 +56,7 @@ class FSDPStrategy(Strategy):
         self.convert_outputs_to_fp32 = convert_outputs_to_fp32
         self._owner: dict[int, nn.Module] = {}  # id(optimizer) -> its model
         self._models: list[nn.Module] = []
-        if not dist.is_initialized():
-            # One process still needs a (single-member) group for FSDP and its checkpoints.
-            backend = "nccl" if state.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        state.ensure_process_group()
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -154,10 +150,15 @@ class FSDPStrategy(Strategy):
             )
         if device_placement and not self.plugin.cpu_offload:
             model = model.to(self.state.device)
+        sync_module_states(model, self.state)
+        self._before_sharding(model)
         targets = self._wrap_targets(model)
         if self.plugin.activation_checkpointing:
             targets = self._checkpoint_layers(model, targets)
         kwargs = self._policy_kwargs()
+        mesh = self._shard_mesh()
+        if mesh is not None:
+            kwargs["mesh"] = mesh
         inner = dict(kwargs)
         policy = kwargs["mp_policy"]
         if policy.output_dtype is not None:
@@ -168,6 +169,13 @@ class FSDPStrategy(Strategy):
         fully_shard(model, **kwargs)
         self._models.append(model)
         return model
+
+    def _before_sharding(self, model: nn.Module) -> None:
+        """Called with the placed model before FSDP shards it (tensor parallelism)."""
+
+    def _shard_mesh(self) -> Any:
+        """The DeviceMesh FSDP shards over (``None``: all processes)."""
+        return None
 
     def setup(
         self,

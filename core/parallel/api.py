@@ -1,0 +1,137 @@
+"""The Accelerator's parallel-layout members (Accelerate's names): the device mesh, each
+process's coordinates in it, and the context-parallel region.
+
+Example::
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+    accelerator.torch_device_mesh          # DeviceMesh (dp_replicate=1, dp_shard=2, tp=2)
+    accelerator.tensor_parallel_rank       # 0 or 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .config import ParallelismConfig, ParallelismConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..state import DistributedType, ProcessState
+
+
+class ParallelMixin:
+    """Mesh coordinates and context parallelism for the Accelerator."""
+
+    # Provided by the Accelerator.
+    state: ProcessState
+    parallelism_config: ParallelismConfig | None
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        raise NotImplementedError
+
+    @staticmethod
+    def _parallelism_config(
+        given: ParallelismConfig | None, launch: Mapping[str, Any]
+    ) -> ParallelismConfig | None:
+        if given is not None:
+            if not isinstance(given, ParallelismConfig):
+                raise TypeError(
+                    "parallelism_config takes a slipstream.ParallelismConfig, got "
+                    f"{type(given).__name__}"
+                )
+            return given
+        block = launch.get("parallelism_config") or {}
+        return ParallelismConfig.from_config(block) if block else None
+
+    def _check_deepspeed_layout(self) -> None:
+        config = self.parallelism_config
+        if config is None:
+            return
+        sizes = config.resolve(self.state.num_processes)
+        if sizes.enabled not in ((), ("dp_shard",), ("dp_replicate",)):
+            raise ParallelismConfigError(
+                f"DeepSpeed cannot be combined with a parallel layout ({sizes.describe()}): "
+                "DeepSpeed ZeRO shards over all processes itself. Drop the parallelism_config "
+                "(or its tp/cp/pp and replicate sizes), or use FSDP2 instead of DeepSpeed"
+            )
+        self.parallelism_config = None  # plain data parallelism: DeepSpeed's own
+
+    # -- the mesh -----------------------------------------------------------------------
+    @property
+    def torch_device_mesh(self) -> DeviceMesh | None:
+        """The job's ``DeviceMesh`` (``None`` without a ``parallelism_config``)."""
+        return self.state.device_mesh
+
+    def _mesh_rank(self, dim: str) -> int:
+        mesh = self.state.mesh
+        if mesh is not None:
+            return mesh.local_rank(dim)
+        from ..state import DistributedType
+
+        sharded = self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        if dim == "dp_shard" and sharded:
+            return self.state.process_index
+        if dim == "dp_replicate" and not sharded:
+            return self.state.process_index
+        return 0
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's index among the replicas (the ``dp_replicate`` dimension; the
+        process index under DDP)."""
+        return self._mesh_rank("dp_replicate")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """This process's index along the ``dp_shard`` dimension (FSDP's shards)."""
+        return self._mesh_rank("dp_shard")
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self._mesh_rank("tp")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return self._mesh_rank("cp")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self._mesh_rank("pp")
+
+    # -- context parallelism --------------------------------------------------------------
+    @contextlib.contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Run the block context-parallel when ``cp_size > 1``; otherwise do nothing.
+
+        ``buffers`` (inputs, labels, position ids...) are split along ``buffer_seq_dims`` in
+        place, each process keeping its slice, and restored afterwards except those in
+        ``no_restore_buffers``. Enter it anew for every step.
+        """
+        mesh = self.state.mesh
+        cp_mesh = mesh.submesh("cp") if mesh is not None else None
+        if cp_mesh is None:
+            yield
+            return
+        from .context_parallel import context_parallel_region
+
+        config = self.parallelism_config
+        assert config is not None and config.cp_handler is not None
+        with context_parallel_region(
+            cp_mesh,
+            list(buffers or []),
+            list(buffer_seq_dims or []),
+            no_restore_buffers,
+            config.cp_handler.cp_comm_strategy,
+        ):
+            yield

@@ -1,0 +1,361 @@
+"""ParallelismConfig: how the processes of a job are arranged into a device mesh.
+
+The same names as Accelerate's ``ParallelismConfig`` (and the same config-file keys, with
+the ``parallelism_config_`` prefix), plus ``pp_size`` for pipeline parallelism and the
+tensor-parallel plan options. Sizes multiply to the world size; one size may be ``-1`` to
+take what the others leave.
+
+Example::
+
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2)          # 4 processes
+    accelerator = Accelerator(parallelism_config=config)
+
+The same as YAML::
+
+    parallelism_config:
+      parallelism_config_dp_shard_size: 2
+      parallelism_config_tp_size: 2
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ConfigError
+
+#: Mesh dimensions, outermost first (torchtitan's order). Data-parallel dims are
+#: ``dp_replicate`` and ``dp_shard``; processes that differ only in ``cp``, ``tp`` or ``pp``
+#: see the same samples.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+CP_COMM_STRATEGIES = ("allgather", "alltoall")
+CONFIG_PREFIX = "parallelism_config_"
+
+
+class ParallelismConfigError(ConfigError):
+    """The parallel sizes or options cannot work with this job or model."""
+
+
+@dataclass
+class TorchTensorParallelConfig:
+    """Tensor-parallel options (Accelerate's ``tp_handler``).
+
+    Args:
+        enable_async_tp: accepted for Accelerate compatibility; asynchronous TP needs
+            ``torch.compile`` with symmetric memory on CUDA and is not used yet.
+    """
+
+    enable_async_tp: bool = False
+
+
+@dataclass
+class TorchContextParallelConfig:
+    """Context-parallel options (Accelerate's ``cp_handler``).
+
+    Args:
+        cp_comm_strategy: how attention exchanges keys/values between the context-parallel
+            ranks: ``"allgather"`` (default) or ``"alltoall"`` (ring rotation).
+    """
+
+    cp_comm_strategy: str = "allgather"
+
+    def __post_init__(self) -> None:
+        if self.cp_comm_strategy not in CP_COMM_STRATEGIES:
+            raise ParallelismConfigError(
+                f"cp_comm_strategy must be one of {', '.join(CP_COMM_STRATEGIES)}, got "
+                f"{self.cp_comm_strategy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    """Resolved sizes of every mesh dimension (all >= 1, product = world size)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def size(self, dim: str) -> int:
+        return int(getattr(self, dim))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.size(d) for d in MESH_DIMS)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Processes that each see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        """The dimensions larger than one, outermost first."""
+        return tuple(d for d in MESH_DIMS if self.size(d) > 1)
+
+    def describe(self) -> str:
+        parts = [f"{d}={self.size(d)}" for d in MESH_DIMS if self.size(d) > 1]
+        return " x ".join(parts) or "one process"
+
+
+TensorParallelPlan = Mapping[str, Any]
+
+
+@dataclass
+class ParallelismConfig:
+    """How processes are arranged: data parallel (replicated and sharded), tensor, context
+    and pipeline parallel.
+
+    Args:
+        dp_replicate_size: replicas that each hold the whole (sharded) model; with
+            ``dp_shard_size > 1`` too this is HSDP.
+        dp_shard_size: processes over which parameters, gradients and optimizer state are
+            sharded (FSDP2).
+        tp_size: processes that split each layer's weights (tensor parallelism).
+        cp_size: processes that split each sequence (context parallelism; CUDA only).
+        pp_size: pipeline stages (reserved for pipeline parallelism).
+        tp_plan: module-name patterns (``*`` matches one name part) mapped to
+            ``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``, ``"rowwise_split_input"``,
+            ``"embedding_rowwise"``, ``"embedding_colwise"``, ``"sequence_parallel"``,
+            ``"replicate"`` or a DTensor ``ParallelStyle``; or a function of the model that
+            returns such a mapping. ``None`` uses a transformers model's own plan.
+        sequence_parallel: also shard activations along the sequence between TP regions
+            (norms and dropout listed as ``"sequence_parallel"`` in the plan run on a slice
+            of the sequence).
+        sequence_dim: the sequence dimension of activations for ``sequence_parallel``.
+        cp_backend: ``"torch"`` (the only one; accepted for Accelerate compatibility).
+        tp_handler / cp_handler: Accelerate's option objects.
+
+    A size left unset is 1. If no size is given at all, every process is a data-parallel
+    replica (like Accelerate). One size may be ``-1``: it takes what the others leave.
+    """
+
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    pp_size: int | None = None
+    tp_plan: TensorParallelPlan | Callable[[Any], TensorParallelPlan | None] | None = None
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
+    cp_backend: str = "torch"
+    tp_handler: TorchTensorParallelConfig | None = None
+    cp_handler: TorchContextParallelConfig | None = None
+    #: Set by :meth:`resolve`: the sizes actually used.
+    sizes: MeshSizes | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = self._given()
+        auto = [name for name, size in given.items() if size == -1]
+        if len(auto) > 1:
+            raise ParallelismConfigError(
+                f"only one parallel size may be -1 (take the rest of the processes); got -1 for "
+                f"{', '.join(f'{n}_size' for n in auto)}"
+            )
+        for name, size in given.items():
+            if size is not None and size != -1 and (not isinstance(size, int) or size < 1):
+                raise ParallelismConfigError(
+                    f"{name}_size must be a positive integer (or -1 for the rest), got {size!r}"
+                )
+        if self.cp_backend != "torch":
+            raise ParallelismConfigError(
+                f"cp_backend must be 'torch' (torch's context-parallel attention), got "
+                f"{self.cp_backend!r}"
+            )
+        if self.cp_handler is None:
+            self.cp_handler = TorchContextParallelConfig()
+        if self.tp_handler is None:
+            self.tp_handler = TorchTensorParallelConfig()
+
+    def _given(self) -> dict[str, int | None]:
+        return {
+            "pp": self.pp_size,
+            "dp_replicate": self.dp_replicate_size,
+            "dp_shard": self.dp_shard_size,
+            "cp": self.cp_size,
+            "tp": self.tp_size,
+        }
+
+    # -- resolution ---------------------------------------------------------------------
+    def resolve(self, world_size: int) -> MeshSizes:
+        """The sizes for ``world_size`` processes; raises when they cannot multiply to it."""
+        given = self._given()
+        if all(size is None for size in given.values()):
+            given["dp_replicate"] = world_size
+        sizes = {name: (1 if size is None else size) for name, size in given.items()}
+        auto = [name for name, size in sizes.items() if size == -1]
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        if auto:
+            if world_size % fixed:
+                raise ParallelismConfigError(
+                    f"{auto[0]}_size=-1 takes the processes the other sizes leave, but "
+                    f"{_product(sizes)} = {fixed} does not divide the {world_size} processes; "
+                    "choose sizes whose product divides the number of processes"
+                )
+            sizes[auto[0]] = world_size // fixed
+        elif fixed != world_size:
+            raise ParallelismConfigError(
+                f"the parallel sizes multiply to {_product(sizes)} = {fixed} but the job has "
+                f"{world_size} process(es); make dp_replicate_size x dp_shard_size x cp_size x "
+                f"tp_size x pp_size equal {world_size} (or set one of them to -1)"
+            )
+        resolved = MeshSizes(**sizes)
+        self.sizes = resolved
+        return resolved
+
+    # -- Accelerate's properties --------------------------------------------------------
+    def _size(self, dim: str) -> int:
+        if self.sizes is not None:
+            return self.sizes.size(dim)
+        value = getattr(self, f"{dim}_size")
+        return 1 if value in (None, -1) else int(value)
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self._size("dp_replicate") > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self._size("dp_shard") > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self._size("tp") > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self._size("cp") > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self._size("pp") > 1
+
+    @property
+    def total_size(self) -> int:
+        return math.prod(self._size(d) for d in MESH_DIMS)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._size("dp_replicate") * self._size("dp_shard")
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self._size("tp") * self._size("cp") * self._size("pp")
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether anything beyond plain data parallelism is asked for."""
+        return self.tp_enabled or self.cp_enabled or self.pp_enabled
+
+    @property
+    def active_mesh_dims(self) -> list[str]:
+        return [d for d in MESH_DIMS if self._size(d) > 1]
+
+    # -- config files -------------------------------------------------------------------
+    def to_config(self) -> dict[str, Any]:
+        """The ``parallelism_config:`` block (sizes and plain options only)."""
+        block: dict[str, Any] = {}
+        for dim in ("dp_replicate", "dp_shard", "tp", "cp", "pp"):
+            value = getattr(self, f"{dim}_size")
+            if value is not None:
+                block[f"{CONFIG_PREFIX}{dim}_size"] = value
+        if self.sequence_parallel:
+            block[f"{CONFIG_PREFIX}sequence_parallel"] = True
+        if isinstance(self.tp_plan, Mapping) and all(
+            isinstance(v, str) for v in self.tp_plan.values()
+        ):
+            block[f"{CONFIG_PREFIX}tp_plan"] = dict(self.tp_plan)
+        assert self.cp_handler is not None
+        if self.cp_handler.cp_comm_strategy != "allgather":
+            block[f"{CONFIG_PREFIX}cp_comm_strategy"] = self.cp_handler.cp_comm_strategy
+        return block
+
+    @classmethod
+    def from_config(cls, block: Mapping[str, Any]) -> ParallelismConfig:
+        """Build from a ``parallelism_config`` block (keys with or without the prefix)."""
+        values: dict[str, Any] = {}
+        comm_strategy: str | None = None
+        for raw_key, value in block.items():
+            key = str(raw_key).removeprefix(CONFIG_PREFIX)
+            if key in _UNSUPPORTED_ACCELERATE_KEYS:
+                if value not in _UNSUPPORTED_ACCELERATE_KEYS[key]:
+                    raise ParallelismConfigError(
+                        f"parallelism_config: {raw_key}={value!r} asks for DeepSpeed sequence "
+                        "parallelism (Ulysses), which slipstream does not provide; use "
+                        "parallelism_config_cp_size for long sequences"
+                    )
+                continue
+            if key not in _CONFIG_KEYS:
+                spelled = [CONFIG_PREFIX + k for k in _CONFIG_KEYS]
+                close = difflib.get_close_matches(CONFIG_PREFIX + key, spelled, 1, cutoff=0.8)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ParallelismConfigError(f"parallelism_config: unknown key '{raw_key}'{hint}")
+            if key.endswith("_size"):
+                values[key] = _as_size(raw_key, value)
+            elif key == "sequence_parallel":
+                values[key] = _as_bool(raw_key, value)
+            elif key == "sequence_dim":
+                values[key] = int(value)
+            elif key == "tp_plan":
+                if not isinstance(value, Mapping):
+                    raise ParallelismConfigError(
+                        f"parallelism_config: {raw_key} must map module-name patterns to styles "
+                        f"such as colwise/rowwise, got {value!r}"
+                    )
+                values[key] = {str(k): str(v) for k, v in value.items()}
+            elif key == "cp_comm_strategy":
+                comm_strategy = str(value)
+            else:
+                values[key] = value
+        config = cls(**values)
+        if comm_strategy is not None:
+            config.cp_handler = TorchContextParallelConfig(cp_comm_strategy=comm_strategy)
+        return config
+
+
+_CONFIG_KEYS = (
+    "dp_replicate_size",
+    "dp_shard_size",
+    "tp_size",
+    "cp_size",
+    "pp_size",
+    "cp_backend",
+    "cp_comm_strategy",
+    "tp_plan",
+    "sequence_parallel",
+    "sequence_dim",
+)
+# Accelerate's DeepSpeed-Ulysses keys: accepted only when they ask for nothing.
+_UNSUPPORTED_ACCELERATE_KEYS: dict[str, tuple[Any, ...]] = {
+    "sp_size": (1, "1", None),
+    "sp_backend": ("deepspeed", None),
+    "sp_seq_length": (None,),
+    "sp_seq_length_is_variable": (True, "true", None),
+    "sp_attn_implementation": (None,),
+}
+
+
+def _product(sizes: Mapping[str, int]) -> str:
+    shown = [f"{name}_size={size}" for name, size in sizes.items() if size != 1]
+    return " x ".join(shown) or "1"
+
+
+def _as_size(key: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ParallelismConfigError(
+            f"parallelism_config: {key} must be an integer (or -1), got {value!r}"
+        ) from None
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    raise ParallelismConfigError(f"parallelism_config: {key} must be true or false, got {value!r}")

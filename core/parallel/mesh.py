@@ -1,0 +1,104 @@
+"""ParallelMesh: the job's one DeviceMesh and the coordinates each part of slipstream needs.
+
+Dimensions follow torchtitan's order (pp, dp_replicate, dp_shard, cp, tp). The two
+data-parallel dimensions are always present (size 1 when unused) because FSDP2 needs them
+as its 1-D (FSDP) or 2-D (HSDP) mesh; pp, cp and tp appear only when larger than one.
+Derived views:
+
+* ``dp`` — dp_replicate x dp_shard: processes that see different samples (data loading,
+  ``gather_for_metrics``, ``reduce``);
+* ``fsdp`` — what FSDP2 shards over: dp_shard x cp (context-parallel ranks hold the same
+  weights), as a 2-D mesh with dp_replicate for HSDP.
+
+Example::
+
+    mesh = ParallelMesh(ParallelismConfig(dp_shard_size=2, tp_size=2).resolve(4), "cpu")
+    mesh.local_rank("tp"), mesh.data_parallel_rank, mesh.data_parallel_size
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .config import MESH_DIMS, MeshSizes
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+_ALWAYS_PRESENT = ("dp_replicate", "dp_shard")
+
+
+class _SequentialCollectiveNotice(logging.Filter):
+    # DTensor notes at warning level that gathering a tensor sharded over two mesh
+    # dimensions takes two collectives. That is expected for FSDP over TP, on every
+    # checkpoint, and says nothing the user can act on.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential" not in record.getMessage()
+
+
+def quiet_dtensor_notices() -> None:
+    """Drop DTensor's 'N sequential collectives' notices (idempotent)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _SequentialCollectiveNotice) for f in logger.filters):
+        logger.addFilter(_SequentialCollectiveNotice())
+
+
+class ParallelMesh:
+    """The device mesh of one job, built once (a collective: every process builds it)."""
+
+    def __init__(self, sizes: MeshSizes, device_type: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.sizes = sizes
+        self.dim_names = tuple(d for d in MESH_DIMS if d in _ALWAYS_PRESENT or sizes.size(d) > 1)
+        shape = tuple(sizes.size(d) for d in self.dim_names)
+        self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.dim_names)
+        self._data_parallel = self._flattened(("dp_replicate", "dp_shard"), "dp")
+        shard_dims = ("dp_shard", "cp") if sizes.cp > 1 else ("dp_shard",)
+        self._shard = self._flattened(shard_dims, "dp_shard_cp")
+        quiet_dtensor_notices()
+
+    def _flattened(self, dims: tuple[str, ...], name: str) -> DeviceMesh:
+        if len(dims) == 1:
+            return self.mesh[dims[0]]
+        return self.mesh[dims]._flatten(name)
+
+    # -- views --------------------------------------------------------------------------
+    def submesh(self, dim: str) -> DeviceMesh | None:
+        """The 1-D mesh of ``dim``, or ``None`` when that dimension is not used."""
+        return self.mesh[dim] if dim in self.dim_names else None
+
+    @property
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """Processes that see different samples (dp_replicate x dp_shard, flattened)."""
+        return self._data_parallel
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP2 shards over: 1-D (dp_shard x cp) or, with replicas, 2-D for HSDP."""
+        if self.sizes.dp_replicate > 1:
+            shard_name = "dp_shard_cp" if self.sizes.cp > 1 else "dp_shard"
+            return self.mesh["dp_replicate", shard_name]
+        return self._shard
+
+    # -- coordinates --------------------------------------------------------------------
+    def local_rank(self, dim: str) -> int:
+        """This process's index along ``dim`` (0 for unused dimensions)."""
+        return self.mesh.get_local_rank(dim) if dim in self.dim_names else 0
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._data_parallel.get_local_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.sizes.data_parallel_size
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self._data_parallel.get_group()
+
+    def __repr__(self) -> str:
+        return f"ParallelMesh({self.sizes.describe()}, dims={self.dim_names})"
