@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,9 @@ class LaunchConfig:
     dynamo_config: dict[str, Any] = field(default_factory=dict)
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     fsdp_config: dict[str, Any] = field(default_factory=dict)
+    #: Accelerate's ``parallelism_config:`` block (``parallelism_config_tp_size`` ...); empty
+    #: means plain data parallelism. See :class:`slipstream.ParallelismConfig`.
+    parallelism_config: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> LaunchConfig:
         """A copy with ``changes`` applied (and validated)."""
@@ -77,6 +81,16 @@ class LaunchConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def parallel_layout(self) -> str | None:
+        """The mesh the ``parallelism_config`` block gives, e.g. ``"dp_shard=2 x tp=2"``
+        (``None`` without a block). Call on a validated config."""
+        if not self.parallelism_config:
+            return None
+        from .parallel.config import ParallelismConfig
+
+        block = ParallelismConfig.from_config(self.parallelism_config)
+        return block.resolve(self.num_processes).describe()
 
     def worker_settings(self) -> dict[str, Any]:
         """What the launched processes' Accelerator reads (via one environment variable)."""
@@ -90,6 +104,7 @@ class LaunchConfig:
             "dynamo_config": self.dynamo_config,
             "deepspeed_config": self.deepspeed_config,
             "fsdp_config": self.fsdp_config,
+            "parallelism_config": self.parallelism_config,
         }
 
 
@@ -261,6 +276,74 @@ def _validate_blocks(config: LaunchConfig, where: str) -> None:
                 f"{where}: deepspeed_config: {key} must be none, cpu or nvme, got {device!r}"
             )
     _check_keys("dynamo_config", config.dynamo_config, DYNAMO_KEYS, where)
+    if config.parallelism_config:
+        _validate_parallelism(config, where)
+
+
+def _validate_parallelism(config: LaunchConfig, where: str) -> None:
+    """Check the parallelism_config block against num_processes and DeepSpeed, so a bad
+    layout stops the launcher before any process starts."""
+    from .parallel.config import CONFIG_PREFIX, MESH_DIMS, ParallelismConfig
+
+    try:
+        parallel = ParallelismConfig.from_config(config.parallelism_config)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {_parallelism_message(str(error))}") from None
+    given = {dim: getattr(parallel, f"{dim}_size") for dim in MESH_DIMS}
+    shown = " x ".join(
+        f"{CONFIG_PREFIX}{dim}_size={size}" for dim, size in given.items() if size not in (None, 1)
+    )
+    try:
+        sizes = parallel.resolve(config.num_processes)
+    except ConfigError:
+        raise ConfigError(
+            f"{where}: parallelism_config: {shown} does not fit num_processes="
+            f"{config.num_processes}; the sizes must multiply to num_processes (one of them may "
+            "be -1 to take the processes the others leave): change the sizes or num_processes"
+        ) from None
+    deepspeed = config.distributed_type.upper() == "DEEPSPEED" or bool(config.deepspeed_config)
+    offending = sizes.beyond_data_parallel()
+    if offending and deepspeed:
+        keys = ", ".join(f"{CONFIG_PREFIX}{d}_size={sizes.size(d)}" for d in offending)
+        using = (
+            "distributed_type: DEEPSPEED"
+            if config.distributed_type.upper() == "DEEPSPEED"
+            else "deepspeed_config"
+        )
+        raise ConfigError(
+            f"{where}: parallelism_config: {keys} cannot be combined with DeepSpeed ({using}), "
+            "which shards over all processes itself; drop those sizes (keep at most one of "
+            f"{CONFIG_PREFIX}dp_shard_size or {CONFIG_PREFIX}dp_replicate_size), or use FSDP2 "
+            "(distributed_type: FSDP) instead of DeepSpeed"
+        )
+    _check_tp_styles(parallel.tp_plan, where)
+
+
+# ParallelismConfig's own messages name its options bare (``tp_size``).
+_BARE_PARALLEL_OPTION = re.compile(
+    r"(?<!\w)(dp_replicate_size|dp_shard_size|tp_size|cp_size|pp_size|cp_comm_strategy|cp_backend)"
+)
+
+
+def _parallelism_message(text: str) -> str:
+    """ParallelismConfig's message in config-file terms: every option under the
+    ``parallelism_config_`` key the user wrote in the file or on the command line."""
+    text = _BARE_PARALLEL_OPTION.sub(r"parallelism_config_\1", text)
+    return text if text.startswith("parallelism_config:") else f"parallelism_config: {text}"
+
+
+def _check_tp_styles(plan: Any, where: str) -> None:
+    """Style names are checked here, not when a model is prepared, so a typo stops the
+    launcher instead of every worker."""
+    from .parallel.tensor_parallel import STYLE_SPLITS
+
+    for pattern, style in (plan or {}).items():
+        if style not in STYLE_SPLITS:
+            raise ConfigError(
+                f"{where}: parallelism_config: parallelism_config_tp_plan: '{pattern}' has "
+                f"unknown style {style!r}{_suggest(style, STYLE_SPLITS)}; use one of "
+                f"{', '.join(STYLE_SPLITS)}"
+            )
 
 
 def config_from_dict(

@@ -52,9 +52,15 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _child(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, results: Any) -> None:
+def _child(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rank: int,
+    results: Any,
+) -> None:
     try:
-        value = fn(*args)
+        value = fn(*args, **kwargs)
         payload = (rank, True, pickle.dumps(value))
     except BaseException:
         payload = (rank, False, traceback.format_exc())
@@ -72,8 +78,9 @@ def run_distributed(
     world_size: int = 2,
     timeout: float = DEFAULT_TIMEOUT,
     env: dict[str, str] | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` fresh processes forming one gloo group.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes forming one gloo group.
 
     Returns the per-rank return values (index = rank). The first failing rank's traceback
     fails the test at once (the other ranks are stopped); so does the timeout.
@@ -94,7 +101,9 @@ def run_distributed(
             **(env or {}),
         }
         with _environment(variables):
-            process = context.Process(target=_child, args=(fn, args, rank, results), daemon=True)
+            process = context.Process(
+                target=_child, args=(fn, args, kwargs or {}, rank, results), daemon=True
+            )
             process.start()
         processes.append(process)
     collected: dict[int, Any] = {}

@@ -181,6 +181,10 @@ def ask_questions(q: Questionnaire) -> dict[str, Any]:
         suggested = max(2, _gpu_count()) if machine == "multi-GPU" else 2
         per_machine = q.integer("How many processes per machine?", suggested, minimum=1)
         values["num_processes"] = per_machine * int(values.get("num_machines", 1))
+    # DeepSpeed shards over every process itself, so a layout only makes sense without it.
+    several = values.get("num_processes", 1) > 1 and values["distributed_type"] != "DEEPSPEED"
+    if several and q.yes("Do you want to use a parallelism config (TP, CP or HSDP sizes)?"):
+        values["parallelism_config"] = _parallelism_questions(q, values["num_processes"])
     values["mixed_precision"] = q.choice(
         "Do you wish to use mixed precision?", list(MIXED_PRECISION), "no"
     )
@@ -246,6 +250,63 @@ def _fsdp_questions(q: Questionnaire) -> dict[str, Any]:
     return config
 
 
+def _parallel_size(q: Questionnaire, question: str, default: int) -> int:
+    def check(answer: str) -> str | None:
+        if not answer.lstrip("-").isdigit():
+            return f"'{answer}' is not a whole number"
+        if int(answer) < 1 and int(answer) != -1:
+            return f"{answer} is not a size: give 1 or more, or -1 for the processes left over"
+        return None
+
+    return int(q.text(question, str(default), check))
+
+
+def _ask_sizes(q: Questionnaire, num_processes: int) -> dict[str, Any]:
+    """The sizes, asked again as a whole until they multiply to ``num_processes``."""
+    from ..parallel.config import CONFIG_PREFIX, ParallelismConfig
+
+    while True:
+        q.say(f"The sizes must multiply to {num_processes} (processes); -1 takes the rest.")
+        block: dict[str, Any] = {
+            CONFIG_PREFIX + "dp_replicate_size": _parallel_size(
+                q, "How many data-parallel replicas (dp_replicate_size)?", 1
+            ),
+            CONFIG_PREFIX + "dp_shard_size": _parallel_size(
+                q, "Over how many processes are parameters sharded (dp_shard_size)?", -1
+            ),
+            CONFIG_PREFIX + "tp_size": _parallel_size(
+                q, "How many tensor-parallel processes (tp_size)?", 1
+            ),
+            CONFIG_PREFIX + "cp_size": _parallel_size(
+                q, "How many context-parallel processes (cp_size, CUDA only)?", 1
+            ),
+        }
+        try:
+            ParallelismConfig.from_config(block).resolve(num_processes)
+            return block
+        except ConfigError as error:
+            q.say(f"  {error}; please try again.")
+
+
+def _parallelism_questions(q: Questionnaire, num_processes: int) -> dict[str, Any]:
+    """The ``parallelism_config`` block: the sizes, then the options they call for."""
+    from ..parallel.config import CONFIG_PREFIX
+
+    block = _ask_sizes(q, num_processes)
+    if block[CONFIG_PREFIX + "cp_size"] > 1:
+        block[CONFIG_PREFIX + "cp_comm_strategy"] = q.choice(
+            "How do context-parallel processes exchange keys and values?",
+            ["allgather", "alltoall"],
+            "allgather",
+        )
+    if block[CONFIG_PREFIX + "tp_size"] > 1:
+        block[CONFIG_PREFIX + "sequence_parallel"] = q.yes(
+            "Shard activations along the sequence between tensor-parallel layers "
+            "(sequence parallelism)?"
+        )
+    return block
+
+
 def write_basic_config(
     mixed_precision: str = "no", save_location: str | Path | None = None
 ) -> Path | bool:
@@ -276,9 +337,11 @@ def run(args: argparse.Namespace) -> int:
         config, notes = load_config(args.file)
         for note in notes:
             print(f"note: {note}")
+        layout = config.parallel_layout()
         print(
             f"{args.file} is a valid configuration ({config.distributed_type}, "
-            f"{config.num_processes} process(es), mixed_precision={config.mixed_precision})"
+            f"{config.num_processes} process(es), mixed_precision={config.mixed_precision}"
+            f"{f', parallel layout {layout}' if layout else ''})"
         )
         return 0
     target = Path(args.config_file) if args.config_file else default_config_file()

@@ -54,9 +54,21 @@ def report(config_file: str | None = None) -> str:
             body = handle.read().strip()
         lines.append(f"- config file {path}:")
         lines += [f"    {line}" for line in body.splitlines()]
+        lines += _layout_lines(path)
     except FileNotFoundError:
         lines.append(f"- config file {path}: not found (defaults apply)")
     return "\n".join(lines)
+
+
+def _layout_lines(path: str) -> list[str]:
+    """The mesh a ``parallelism_config`` block gives (or why the file would not launch)."""
+    from ..config import ConfigError, load_config
+
+    try:
+        layout = load_config(path)[0].parallel_layout()
+    except ConfigError as error:
+        return [f"- config problem: {error}"]
+    return [f"- parallel layout: {layout}"] if layout else []
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,13 @@ Accounting (the ZeRO paper's, N = trainable parameters, P = processes), AdamW:
 - Frozen parameters count only as weights (bytes of the dtype), sharded only by ZeRO-3/FSDP.
 - A shard holds ceil(n / P) elements, the padding FSDP and ZeRO add to split evenly.
 - Inference is weights only: 4 bytes per parameter in fp32, 2 in bf16/fp16.
+- --tp_size, --pp_size, --cp_size, --dp_replicate_size arrange the processes as
+  dp_replicate x dp_shard x tp x pp x cp (dp_shard: what the others leave). A process holds
+  1/tp of each weight the model's tensor-parallel plan splits (a transformers model's own
+  plan, else every nn.Linear weight as a stand-in), the others whole; of that, a pipeline
+  stage holds about 1/pp (stages balanced by parameter count); ZeRO/FSDP shard what a stage
+  holds over dp_shard x cp (cp splits sequences, not weights). The table adds one dimension
+  per row, so each row shows what it changes.
 - Activations, model buffers, buffers of the data pipeline and framework overhead are not
   included. Sizes use binary units: 1 KB = 1024 B.
 """
@@ -34,6 +41,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError
+from .estimate_memory_parallel import (
+    ParallelLayout,
+    TensorParallelSplit,
+    notes,
+    tensor_parallel_split,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -179,6 +192,11 @@ def count_parameters(model: nn.Module) -> ParameterCounts:
     )
 
 
+def split_parameters(model: nn.Module, tp: int) -> TensorParallelSplit:
+    """Which weights of ``model`` tensor parallelism splits, over count_parameters' units."""
+    return tensor_parallel_split(model, list(_units(model)), tp)
+
+
 def _check(num_processes: int, dtypes: Sequence[str]) -> None:
     if num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1, got {num_processes}")
@@ -224,6 +242,50 @@ def format_bytes(size: float) -> str:
     return f"{size:.2f} TB"
 
 
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """Memory per process under one parallel layout."""
+
+    layout: ParallelLayout
+    counts: ParameterCounts  # what one process holds before ZeRO/FSDP sharding
+    training: tuple[MemoryRow, ...]
+    inference: dict[str, int]
+
+
+def estimate_layouts(
+    counts: ParameterCounts,
+    split: TensorParallelSplit,
+    layout: ParallelLayout,
+    dtypes: Sequence[str] = DTYPES,
+) -> list[LayoutEstimate]:
+    """Data parallel only, then each dimension of ``layout`` added in turn (its steps)."""
+    estimates = []
+    for step in layout.steps():
+        share = split.per_process(step.tp, step.pp)
+        local = dataclasses.replace(
+            counts, total=share.total, trainable=share.trainable, largest_unit=share.largest_unit
+        )
+        training = tuple(estimate(local, step.shard_group, dtypes))
+        estimates.append(LayoutEstimate(step, local, training, inference_bytes(local, dtypes)))
+    return estimates
+
+
+def _header(counts: ParameterCounts) -> str:
+    return (
+        f"{counts.total:,} parameters ({counts.trainable:,} trainable, {counts.frozen:,} "
+        f"frozen), {counts.buffers:,} buffer elements, largest unit {counts.largest_unit:,} "
+        "parameters (gathered whole by FSDP)"
+    )
+
+
+def _render(lines: list[list[str]], inference_rows: int) -> list[str]:
+    width = max(len(line[0]) for line in lines)
+    rendered = [line[0].ljust(width) + "".join(f"{c:>12}" for c in line[1:]) for line in lines]
+    rendered.insert(1, "-" * len(rendered[0]))
+    rendered.insert(len(rendered) - inference_rows, "-" * len(rendered[0]))
+    return rendered
+
+
 def format_table(
     counts: ParameterCounts, rows: list[MemoryRow], inference: dict[str, int], num_processes: int
 ) -> str:
@@ -235,16 +297,42 @@ def format_table(
         *([s, *(totals[s, d] for d in dtypes)] for s in STRATEGIES),
         ["Inference (weights only)", *(format_bytes(inference[d]) for d in dtypes)],
     ]
-    width = max(len(line[0]) for line in lines)
-    rendered = [line[0].ljust(width) + "".join(f"{c:>12}" for c in line[1:]) for line in lines]
-    rendered.insert(1, "-" * len(rendered[0]))
-    rendered.insert(-1, "-" * len(rendered[0]))
-    header = (
-        f"{counts.total:,} parameters ({counts.trainable:,} trainable, {counts.frozen:,} "
-        f"frozen), {counts.buffers:,} buffer elements, largest unit {counts.largest_unit:,} "
-        "parameters (gathered whole by FSDP)"
-    )
-    return "\n".join([header, "", *rendered, "", FOOTER])
+    return "\n".join([_header(counts), "", *_render(lines, 1), "", FOOTER])
+
+
+def format_parallel_table(
+    counts: ParameterCounts, estimates: Sequence[LayoutEstimate], split: TensorParallelSplit
+) -> str:
+    """The report for a parallel layout: under each strategy one row per step of the layout,
+    so each row shows what the dimension it adds saves."""
+    layout = estimates[-1].layout
+    dtypes = list(estimates[0].inference)
+    width = max(len(s) for s in STRATEGIES)
+    lines = [[f"Training, per process of {layout.num_processes}", *dtypes]]
+    for strategy in STRATEGIES:
+        for i, step in enumerate(estimates):
+            totals = {r.dtype: r.total for r in step.training if r.strategy == strategy}
+            label = f"{strategy if i == 0 else '':<{width}}  {step.layout.describe()}"
+            lines.append([label, *(format_bytes(totals[d]) for d in dtypes)])
+
+    def weights(inference: dict[str, int]) -> list[str]:
+        return [format_bytes(inference[d]) for d in dtypes]
+
+    inference = [["Inference (weights only)", *weights(estimates[0].inference)]]
+    split_by = [f"{dim} {layout.size(dim)}" for dim in ("tp", "pp") if layout.size(dim) > 1]
+    if split_by:  # cp and dp_replicate leave a serving process's weights whole
+        inference.append([f"Inference, {' x '.join(split_by)}", *weights(estimates[-1].inference)])
+    rendered = _render(lines + inference, len(inference))
+    header = [_header(counts), *notes(layout, split, counts.total)]
+    return "\n".join([*header, "", *rendered, "", FOOTER])
+
+
+_PARALLEL_OPTIONS = (
+    ("tp", "tensor-parallel size: splits the weights of the model's TP plan"),
+    ("pp", "pipeline stages: each holds about 1/pp of the parameters"),
+    ("cp", "context-parallel size: splits sequences; joins the ZeRO/FSDP shard group"),
+    ("dp_replicate", "replicas of the sharded state (HSDP); ZeRO/FSDP shard within one"),
+)
 
 
 def register(subparsers: Any) -> None:
@@ -263,26 +351,77 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="columns (default all)"
     )
+    for dim, meaning in _PARALLEL_OPTIONS:
+        spellings = (f"--{dim}_size", f"--{dim.replace('_', '-')}-size")
+        parser.add_argument(*spellings, type=int, default=1, help=f"{meaning} (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _rows_report(rows: Sequence[MemoryRow]) -> list[dict[str, Any]]:
+    return [{**dataclasses.asdict(r), "total": r.total} for r in rows]
+
+
+def _parallel_report(
+    counts: ParameterCounts, split: TensorParallelSplit, estimates: Sequence[LayoutEstimate]
+) -> dict[str, Any]:
+    layout = estimates[-1].layout
+    return {
+        "layout": layout.as_dict(),
+        "tensor_parallel": {
+            "plan": "model" if split.from_plan else "nn.Linear weights (stand-in)",
+            "split_parameters": split.split_elements,
+            "split_modules": split.modules,
+        },
+        "notes": notes(layout, split, counts.total),
+        # Data parallel only first, then one dimension added per step; the last is the layout.
+        "steps": [
+            {
+                "layout": step.layout.as_dict(),
+                "parameters_per_process": {
+                    "total": step.counts.total,
+                    "trainable": step.counts.trainable,
+                    "frozen": step.counts.frozen,
+                    "largest_unit": step.counts.largest_unit,
+                },
+                "training": _rows_report(step.training),
+                "inference": step.inference,
+            }
+            for step in estimates
+        ],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     dtypes = list(dict.fromkeys(args.dtypes))  # drop repeats, keep the order given
-    _check(args.num_processes, dtypes)  # before building: a typo should not wait on a model
-    counts = count_parameters(build_model(args.model))
+    # Before building: a typo should not wait on a model.
+    _check(args.num_processes, dtypes)
+    layout = ParallelLayout(
+        args.num_processes, args.tp_size, args.pp_size, args.cp_size, args.dp_replicate_size
+    )
+    model = build_model(args.model)
+    counts = count_parameters(model)
     rows = estimate(counts, args.num_processes, dtypes)
     inference = inference_bytes(counts, dtypes)
+    split, estimates = None, []
+    if not layout.data_parallel_only:
+        split = split_parameters(model, layout.tp)
+        estimates = estimate_layouts(counts, split, layout, dtypes)
     if args.json:
         report = {
             "model": args.model,
             "num_processes": args.num_processes,
             "parameters": {**dataclasses.asdict(counts), "frozen": counts.frozen},
-            "training": [{**dataclasses.asdict(r), "total": r.total} for r in rows],
+            # Data parallel over every process, as without the parallel options.
+            "training": _rows_report(rows),
             "inference": inference,
             "unit": "bytes",
             "notes": NOTES,
         }
+        if split is not None:
+            report["parallel"] = _parallel_report(counts, split, estimates)
         print(json.dumps(report, indent=2))
+    elif split is not None:
+        print(format_parallel_table(counts, estimates, split))
     else:
         print(format_table(counts, rows, inference, args.num_processes))
     return 0

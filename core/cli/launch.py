@@ -122,11 +122,26 @@ _NESTED: dict[str, list[tuple[str, str, Any, str]]] = {
         ("dynamo_use_fullgraph", "dynamo_use_fullgraph", str, "true: compile one graph"),
         ("dynamo_use_dynamic", "dynamo_use_dynamic", str, "true: dynamic shapes"),
     ],
+    # Accelerate's flag names are the block's keys; the sizes multiply to num_processes.
+    "parallelism_config": [
+        (f"parallelism_config_{key}", f"parallelism_config_{key}", kind, text)
+        for key, kind, text in (
+            ("dp_replicate_size", int, "data-parallel replicas (with dp_shard_size: HSDP)"),
+            ("dp_shard_size", int, "processes that shard parameters (FSDP2); -1: the rest"),
+            ("tp_size", int, "tensor-parallel processes (split each layer's weights)"),
+            ("cp_size", int, "context-parallel processes (split each sequence; CUDA)"),
+            ("pp_size", int, "pipeline stages"),
+            ("cp_comm_strategy", str, "context-parallel exchange: allgather or alltoall"),
+            ("cp_backend", str, "context-parallel backend: torch"),
+            ("sequence_parallel", str, "true: shard activations along the sequence between TP"),
+        )
+    ],
 }
 _GROUP_TITLES = {
     "fsdp_config": "FSDP (fully sharded data parallel, FSDP2)",
     "deepspeed_config": "DeepSpeed",
     "dynamo_config": "torch.compile",
+    "parallelism_config": "N-D parallelism (ParallelismConfig: sizes multiply to num_processes)",
 }
 
 
@@ -182,8 +197,21 @@ def register(subparsers: Any) -> None:
                 const=True,
                 help="train with DeepSpeed ZeRO",
             )
+        if block == "parallelism_config":
+            # Accelerate needs this switch before it reads the sizes; here any size flag (or
+            # the file's block) is enough, so the switch is accepted and changes nothing.
+            _option(
+                group,
+                "use_parallelism_config",
+                action="store_const",
+                const=True,
+                help="accepted for Accelerate compatibility (the sizes below are used anyway)",
+            )
+        # The parallelism flags' own names are long enough without a metavar repeating them.
+        short = block == "parallelism_config"
         for flag, _, kind, text in nested:
-            _option(group, flag, type=kind, help=text)
+            shown = {"metavar": "N" if kind is int else "VALUE"} if short else {}
+            _option(group, flag, type=kind, help=text, **shown)
     target = parser.add_argument_group("what to run")
     _option(
         target,
@@ -219,9 +247,15 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
         path = default_config_file()
     values: dict[str, Any] = {}
     notes: list[str] = []
+    file_error: ConfigError | None = None
     if path is not None:
-        _, notes = load_config(path)  # reports problems with the file's own name
         values = read_config_values(path)
+        try:
+            _, notes = load_config(path)  # reports problems with the file's own name
+        except ConfigError as error:
+            # A flag may fix what the file gets wrong (a parallel layout for another
+            # num_processes, say); the file's own message is kept for when none does.
+            file_error = error
     for flags in _TOP_LEVEL.values():
         for flag, _, _ in flags:
             if getattr(args, flag) is not None:
@@ -253,7 +287,12 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
 
         gpu = torch.cuda.is_available() and not values.get("use_cpu")
         values["distributed_type"] = "MULTI_GPU" if gpu else "MULTI_CPU"
-    config, more = config_from_dict(values, where="options")
+    try:
+        config, more = config_from_dict(values, where="options")
+    except ConfigError:
+        if file_error is not None:
+            raise file_error from None
+        raise
     _check_strategy_available(config)
     return config, notes + more
 

@@ -54,7 +54,7 @@ class ParallelMixin:
         if config is None:
             return
         sizes = config.resolve(self.state.num_processes)
-        if sizes.enabled not in ((), ("dp_shard",), ("dp_replicate",)):
+        if sizes.beyond_data_parallel():
             raise ParallelismConfigError(
                 f"DeepSpeed cannot be combined with a parallel layout ({sizes.describe()}): "
                 "DeepSpeed ZeRO shards over all processes itself. Drop the parallelism_config "

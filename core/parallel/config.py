@@ -101,6 +101,14 @@ class MeshSizes:
         parts = [f"{d}={self.size(d)}" for d in MESH_DIMS if self.size(d) > 1]
         return " x ".join(parts) or "one process"
 
+    def beyond_data_parallel(self) -> list[str]:
+        """The dimensions a data-parallel engine such as DeepSpeed ZeRO (which shards over
+        every process itself) cannot work inside: tp, cp, pp, or both dp dims (HSDP)."""
+        model_parallel = [d for d in ("tp", "cp", "pp") if self.size(d) > 1]
+        if model_parallel:
+            return model_parallel
+        return ["dp_replicate", "dp_shard"] if self.dp_replicate > 1 and self.dp_shard > 1 else []
+
 
 TensorParallelPlan = Mapping[str, Any]
 
@@ -299,7 +307,7 @@ class ParallelismConfig:
             elif key == "sequence_parallel":
                 values[key] = _as_bool(raw_key, value)
             elif key == "sequence_dim":
-                values[key] = int(value)
+                values[key] = _as_size(raw_key, value)
             elif key == "tp_plan":
                 if not isinstance(value, Mapping):
                     raise ParallelismConfigError(

@@ -212,7 +212,7 @@ def check_divisible(model: nn.Module, planned: list[PlannedModule], tp: int) -> 
     for where, count in counts:
         if count % tp:
             raise ParallelismConfigError(
-                f"tp_size={tp} does not divide {where}={count}: tensor parallelism gives each "
+                f"tp_size={tp} does not divide {where}: tensor parallelism gives each "
                 "process whole attention heads; choose a tp_size that divides the head counts"
             )
 
@@ -249,7 +249,7 @@ def _head_counts(model: nn.Module, planned_names: list[str]) -> list[tuple[str, 
         for attribute in _HEAD_ATTRIBUTES:
             value = getattr(module, attribute, None)
             if isinstance(value, int) and value > 0:
-                found.append((f"{name}.{attribute}", value))
+                found.append((f"{name}.{attribute}={value}", value))
     config = getattr(model, "config", None)
     text = getattr(config, "get_text_config", None)
     config = text() if callable(text) else config
@@ -257,7 +257,7 @@ def _head_counts(model: nn.Module, planned_names: list[str]) -> list[tuple[str, 
         for attribute in _HEAD_ATTRIBUTES:
             value = getattr(config, attribute, None)
             if isinstance(value, int) and value > 0:
-                found.append((f"{attribute} of the model's config", value))
+                found.append((f"{attribute}={value} (the model's config)", value))
     return found
 
 
@@ -271,6 +271,35 @@ def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]
             if not any(m is module and a == attribute for m, a, _ in entries):
                 entries.append((module, attribute, qualified))
     return [group for group in owners.values() if len(group) > 1]
+
+
+_WEIGHT_DIM = {"out": 0, "rows": 0, "in": 1, "columns": 1}
+
+
+def _check_tied_layouts(
+    groups: list[list[tuple[nn.Module, str, str]]], planned: list[PlannedModule]
+) -> None:
+    """Refuse, before anything changes, a plan that splits one tied weight two ways."""
+    styles = {entry.name: entry.style for entry in planned}
+    for group in groups:
+        layouts: dict[str, Any] = {}
+        for _, attribute, qualified in group:
+            module_name = qualified[: -len(attribute)].rstrip(".")
+            style = styles.get(module_name)
+            if style is not None and not isinstance(style, str):
+                return  # a ParallelStyle object: checked after splitting (_retie)
+            split = STYLE_SPLITS.get(style) if isinstance(style, str) else None
+            layouts[qualified] = _WEIGHT_DIM.get(split) if split is not None else None
+        if len(set(layouts.values())) > 1:
+            shown = ", ".join(
+                f"{name} {'split along dim ' + str(dim) if dim is not None else 'not split'}"
+                for name, dim in layouts.items()
+            )
+            raise ParallelismConfigError(
+                f"{' and '.join(layouts)} are one tied weight, but the tensor-parallel plan "
+                f"gives them different layouts ({shown}); give both modules matching styles "
+                "(e.g. 'embedding_rowwise' with 'colwise_gather_output') or untie the weights"
+            )
 
 
 def _retie(groups: list[list[tuple[nn.Module, str, str]]]) -> None:
@@ -311,6 +340,7 @@ def apply_tensor_parallel(
     from torch.distributed.tensor.parallel import parallelize_module
 
     tied = _tied_parameters(model)
+    _check_tied_layouts(tied, planned)
     styles: dict[str, Any] = {}
     for entry in planned:
         style = (

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ..checkpoint import sharded
 from ..state import DistributedType, ProcessState
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class Strategy:
         self.options = options
         #: Set by the Accelerator: the micro-step bookkeeping (sync_gradients).
         self.step_state: Any = None
+        #: The models this strategy has prepared (wrapped), in order.
+        self.prepared_models: list[nn.Module] = []
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -64,6 +67,7 @@ class Strategy:
             self.wrap_model(m, device_placement=place)
             for m, place in zip(models, device_placement, strict=True)
         ]
+        self.prepared_models.extend(wrapped)
         return wrapped, optimizers
 
     def wrap_model(self, model: nn.Module, *, device_placement: bool) -> nn.Module:
@@ -74,6 +78,17 @@ class Strategy:
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever this strategy wrapped it in."""
         return model
+
+    def owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+        """The prepared model whose parameters ``optimizer`` updates."""
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for model in self.prepared_models:
+            if params & {id(p) for p in model.parameters()}:
+                return model
+        raise ValueError(
+            "prepare() got an optimizer whose parameters belong to no prepared model; prepare "
+            "the model together with (or before) its optimizer"
+        )
 
     # -- training step --------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -112,8 +127,13 @@ class Strategy:
         self, model: nn.Module, reader: CheckpointReader, index: int
     ) -> Callable[[], None]:
         name = indexed_name("model", index, ".safetensors")
-        tensors = reader.load_tensors(name, f"weights of model {index}")
         target = self.unwrap_model(model)
+        part = sharded.model_folder(index)
+        if not reader.storage.exists(reader.path(name)) and sharded.has_part(reader, part):
+            # Saved sharded (FSDP, tensor parallel): read the shards back as whole tensors.
+            sharded.check_shapes(target, reader, part)
+            return lambda: sharded.load_model_part(target, reader, part)
+        tensors = reader.load_tensors(name, f"weights of model {index}")
         check_matching_weights(target, tensors, reader.storage.url(reader.path(name)))
         return lambda: _load_weights(target, tensors)
 
@@ -127,6 +147,10 @@ class Strategy:
         self, optimizer: torch.optim.Optimizer, reader: CheckpointReader, index: int
     ) -> Callable[[], None]:
         name = indexed_name("optimizer", index, ".bin")
+        part = sharded.optimizer_folder(index)
+        if not reader.storage.exists(reader.path(name)) and sharded.has_part(reader, part):
+            target = self.unwrap_model(self.owner_of(optimizer))
+            return lambda: sharded.load_optimizer_part(target, optimizer, reader, part)
         saved = reader.load_object(name, f"state of optimizer {index}")
         groups, expected = len(saved.get("param_groups", [])), len(optimizer.param_groups)
         if groups != expected:
@@ -139,6 +163,7 @@ class Strategy:
 
     def teardown(self) -> None:
         """Release what the strategy holds (engines, hooks)."""
+        self.prepared_models.clear()
 
 
 def check_matching_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -17,18 +17,14 @@ import torch
 import torch.distributed.fsdp
 from torch import nn
 
+from ..checkpoint import sharded
+from ..checkpoint.sharded import clean_name
 from ..state import DistributedType, ProcessState
 from .base import Strategy, check_matching_weights, indexed_name, sync_module_states
 from .fsdp_plugin import FullyShardedDataParallelPlugin
 
 if TYPE_CHECKING:
     from ..checkpoint.io import CheckpointReader, CheckpointWriter
-
-_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
-
-
-def _clean(name: str) -> str:
-    return name.replace(_CHECKPOINT_PREFIX, "")
 
 
 class FSDPStrategy(Strategy):
@@ -54,8 +50,6 @@ class FSDPStrategy(Strategy):
         self.plugin = plugin or FullyShardedDataParallelPlugin()
         self.mixed_precision = mixed_precision
         self.convert_outputs_to_fp32 = convert_outputs_to_fp32
-        self._owner: dict[int, nn.Module] = {}  # id(optimizer) -> its model
-        self._models: list[nn.Module] = []
         state.ensure_process_group()
 
     @property
@@ -167,7 +161,6 @@ class FSDPStrategy(Strategy):
         for target in targets:
             fully_shard(target, **inner)
         fully_shard(model, **kwargs)
-        self._models.append(model)
         return model
 
     def _before_sharding(self, model: nn.Module) -> None:
@@ -189,8 +182,8 @@ class FSDPStrategy(Strategy):
         wrapped, _ = super().setup(models, [], device_placement=device_placement)
         replacement: dict[int, torch.nn.Parameter] = {}
         for names, model in zip(before, wrapped, strict=True):
-            after = {_clean(n): p for n, p in model.named_parameters()}
-            replacement.update({pid: after[_clean(n)] for pid, n in names.items()})
+            after = {clean_name(n): p for n, p in model.named_parameters()}
+            replacement.update({pid: after[clean_name(n)] for pid, n in names.items()})
         for optimizer in optimizers:
             self._swap_parameters(optimizer, replacement)
         return wrapped, optimizers
@@ -206,15 +199,7 @@ class FSDPStrategy(Strategy):
             )
         for group in optimizer.param_groups:
             group["params"] = [replacement.get(id(p), p) for p in group["params"]]
-        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for model in self._models:
-            if params & {id(p) for p in model.parameters()}:
-                self._owner[id(optimizer)] = model
-                return
-        raise ValueError(
-            "prepare() got an optimizer whose parameters belong to no prepared model; with FSDP "
-            "prepare the model together with (or before) its optimizer"
-        )
+        self.owner_of(optimizer)  # raises when no prepared model owns its parameters
 
     # -- training step --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -257,24 +242,6 @@ class FSDPStrategy(Strategy):
             return get_model_state_dict(model)
         return self.model_state_dict(model)
 
-    def _dcp_writer(self, writer: CheckpointWriter, name: str) -> dict[str, Any]:
-        path = writer.path(name)
-        if writer.storage.is_local:
-            return {"checkpoint_id": path}
-        from torch.distributed.checkpoint import FsspecWriter  # type: ignore[attr-defined]
-
-        return {"storage_writer": FsspecWriter(writer.storage.url(path))}
-
-    def _dcp_reader(self, reader: CheckpointReader, name: str) -> dict[str, Any]:
-        path = reader.path(name)
-        if reader.storage.is_local:
-            from torch.distributed.checkpoint import FileSystemReader
-
-            return {"storage_reader": FileSystemReader(path)}
-        from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined]
-
-        return {"storage_reader": FsspecReader(reader.storage.url(path))}
-
     def save_model_checkpoint(
         self, model: nn.Module, state_dict: dict[str, Any], writer: CheckpointWriter, index: int
     ) -> None:
@@ -283,34 +250,19 @@ class FSDPStrategy(Strategy):
             return
         import torch.distributed.checkpoint as dcp
 
-        name = f"pytorch_model_fsdp_{index}"
-        dcp.save({"model": state_dict}, **self._dcp_writer(writer, name))
+        name = sharded.model_folder(index)
+        dcp.save({"model": state_dict}, **sharded.dcp_writer_arguments(writer, name))
         writer.written.append(name)
 
     def load_model_checkpoint(
         self, model: nn.Module, reader: CheckpointReader, index: int
     ) -> Callable[[], None]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            set_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        sharded = f"pytorch_model_fsdp_{index}"
-        if reader.storage.exists(reader.path(sharded)):
-            import torch.distributed.checkpoint as dcp
-
-            source = self._dcp_reader(reader, sharded)
-            self._check_dcp_shapes(
-                model, source["storage_reader"], reader.storage.url(reader.path(sharded))
-            )
-
-            def apply_sharded() -> None:
-                state = get_model_state_dict(model)
-                dcp.load({"model": state}, **self._dcp_reader(reader, sharded))
-                set_model_state_dict(model, state)
-
-            return apply_sharded
+        part = sharded.model_folder(index)
+        if sharded.has_part(reader, part):
+            sharded.check_shapes(model, reader, part)
+            return lambda: sharded.load_model_part(model, reader, part)
         name = indexed_name("model", index, ".safetensors")
         full = reader.load_tensors(name, f"weights of model {index}")
         check_matching_weights(model, full, reader.storage.url(reader.path(name)))
@@ -321,34 +273,6 @@ class FSDPStrategy(Strategy):
 
         return apply_full
 
-    @staticmethod
-    def _check_dcp_shapes(model: nn.Module, storage_reader: Any, where: str) -> None:
-        metadata = storage_reader.read_metadata()
-        saved = {
-            key[len("model.") :]: tuple(item.size)
-            for key, item in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(item, "size")
-        }
-        expected = {_clean(k): tuple(v.shape) for k, v in model.state_dict().items()}
-        missing = sorted(set(expected) - set(saved))
-        unexpected = sorted(set(saved) - set(expected))
-        wrong = [
-            f"{k} {saved[k]} vs {v}" for k, v in expected.items() if k in saved and saved[k] != v
-        ]
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"the sharded weights in {where} do not fit {type(model).__name__}: missing "
-                f"{missing[:5]}, unexpected {unexpected[:5]}, different shapes {wrong[:5]}"
-            )
-
-    def _model_for(self, optimizer: torch.optim.Optimizer) -> nn.Module:
-        try:
-            return self._owner[id(optimizer)]
-        except KeyError:
-            raise ValueError(
-                "this optimizer was not prepared together with an FSDP model"
-            ) from None
-
     def save_optimizer_checkpoint(
         self, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int
     ) -> None:
@@ -357,13 +281,13 @@ class FSDPStrategy(Strategy):
             get_optimizer_state_dict,
         )
 
-        model = self._model_for(optimizer)
+        model = self.owner_of(optimizer)
         if self.plugin.sharded_state_dict:
             import torch.distributed.checkpoint as dcp
 
-            name = f"optimizer_{index}"
+            name = sharded.optimizer_folder(index)
             state = get_optimizer_state_dict(model, optimizer)
-            dcp.save({"optimizer": state}, **self._dcp_writer(writer, name))
+            dcp.save({"optimizer": state}, **sharded.dcp_writer_arguments(writer, name))
             writer.written.append(name)
             return
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -376,25 +300,13 @@ class FSDPStrategy(Strategy):
     ) -> Callable[[], None]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
-            get_optimizer_state_dict,
             set_optimizer_state_dict,
         )
 
-        model = self._model_for(optimizer)
-        sharded = f"optimizer_{index}"
-        if reader.storage.exists(reader.path(sharded)):
-            import torch.distributed.checkpoint as dcp
-
-            def apply_sharded() -> None:
-                state = get_optimizer_state_dict(model, optimizer)
-                dcp.load({"optimizer": state}, **self._dcp_reader(reader, sharded))
-                set_optimizer_state_dict(model, optimizer, state)
-
-            return apply_sharded
+        model = self.owner_of(optimizer)
+        part = sharded.optimizer_folder(index)
+        if sharded.has_part(reader, part):
+            return lambda: sharded.load_optimizer_part(model, optimizer, reader, part)
         full = reader.load_object(indexed_name("optimizer", index, ".bin"), "optimizer state")
         options = StateDictOptions(full_state_dict=True)
         return lambda: set_optimizer_state_dict(model, optimizer, full, options=options)
-
-    def teardown(self) -> None:
-        self._owner.clear()
-        self._models.clear()

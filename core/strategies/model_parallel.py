@@ -50,16 +50,9 @@ class ModelParallelStrategy(FSDPStrategy):
         mixed_precision: str = "no",
         convert_outputs_to_fp32: bool = True,
     ) -> None:
-        self._default_plugin = plugin is None
-        super().__init__(
-            state,
-            plugin or FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"),
-            mixed_precision,
-            convert_outputs_to_fp32,
-        )
         self.parallelism = parallelism or state.parallelism or ParallelismConfig()
-        self.mesh = state.configure_parallelism(self.parallelism)
-        sizes = self.mesh.sizes
+        # Everything that can be refused is refused before the mesh (a collective) exists.
+        sizes = self.parallelism.resolve(state.num_processes)
         if sizes.pp > 1:
             raise ParallelismConfigError(
                 f"pp_size={sizes.pp} asks for pipeline parallelism, which this version of "
@@ -67,6 +60,14 @@ class ModelParallelStrategy(FSDPStrategy):
             )
         if sizes.cp > 1:
             check_context_parallel_supported(state.device)
+        self._default_plugin = plugin is None
+        super().__init__(
+            state,
+            plugin or FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"),
+            mixed_precision,
+            convert_outputs_to_fp32,
+        )
+        self.mesh = state.configure_parallelism(self.parallelism)
 
     @property
     def distributed_type(self) -> DistributedType:

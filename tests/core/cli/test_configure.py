@@ -49,6 +49,7 @@ def test_questionnaire_for_fsdp_on_cpu_processes(tmp_path):
             "FULL_STATE_DICT",
             "y",  # activation checkpointing
             "2",  # processes per machine
+            "",  # parallelism config [NO]
             "bf16",
         ],
     )
@@ -86,6 +87,7 @@ def test_questionnaire_asks_again_after_bad_answers(tmp_path):
             "no",
             "no",
             "4",
+            "no",  # parallelism config
             "fp17",
             "fp16",
         ],
@@ -104,6 +106,79 @@ def test_questionnaire_asks_again_after_bad_answers(tmp_path):
     config, _ = load_config(target)
     assert (config.num_machines, config.machine_rank, config.num_processes) == (2, 1, 8)
     assert config.main_process_port == 29400 and config.dynamo_config["dynamo_backend"] == "EAGER"
+    assert config.parallelism_config == {}
+
+
+def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
+    target = tmp_path / "nd.yaml"
+    result = answer(
+        target,
+        [
+            "",
+            "multi-CPU",
+            "1",  # machines
+            "no",  # dynamo
+            "no",  # DeepSpeed
+            "yes",  # FSDP
+            "NO_WRAP",
+            "",  # reshard after forward
+            "",  # offload
+            "",  # state dict type
+            "",  # activation checkpointing
+            "8",  # processes per machine
+            "yes",  # parallelism config
+            "0",  # not a size
+            "",  # dp_replicate_size [1]
+            "",  # dp_shard_size [-1]
+            "3",  # tp_size: 3 does not divide 8
+            "",  # cp_size [1]
+            "2",  # dp_replicate_size, asked again
+            "-2",  # not a size
+            "-1",  # dp_shard_size: the rest
+            "x",  # not a number
+            "2",  # tp_size
+            "-1",  # cp_size: a second -1
+            "2",  # dp_replicate_size, asked again
+            "",  # dp_shard_size [-1]: 2
+            "2",  # tp_size
+            "1",  # cp_size
+            "yes",  # sequence parallelism
+            "",  # mixed precision
+        ],
+    )
+    assert result.returncode == 0, result.stderr
+    for complaint in (
+        "0 is not a size: give 1 or more, or -1",
+        "-2 is not a size",
+        "'x' is not a whole number",
+        "does not divide the 8 processes",
+        "only one parallel size may be -1",
+    ):
+        assert complaint in result.stdout
+    assert result.stdout.count("The sizes must multiply to 8") == 3
+    config, _ = load_config(target)
+    assert config.parallelism_config == {
+        "parallelism_config_dp_replicate_size": 2,
+        "parallelism_config_dp_shard_size": -1,
+        "parallelism_config_tp_size": 2,
+        "parallelism_config_cp_size": 1,
+        "parallelism_config_sequence_parallel": True,
+    }
+    assert (config.distributed_type, config.num_processes) == ("FSDP", 8)
+    valid = run_cli("config", "validate", str(target))
+    assert valid.returncode == 0, valid.stderr
+    assert "parallel layout dp_replicate=2 x dp_shard=2 x tp=2" in valid.stdout
+
+
+def test_questionnaire_asks_the_context_parallel_exchange(tmp_path):
+    target = tmp_path / "cp.yaml"
+    lines = ["", "multi-GPU", "1", "no", "no", "no", "2", "y", "", "1", "", "2", "alltoall", "bf16"]
+    result = answer(target, lines)
+    assert result.returncode == 0, result.stderr
+    config, _ = load_config(target)
+    assert config.parallelism_config["parallelism_config_cp_size"] == 2
+    assert config.parallelism_config["parallelism_config_cp_comm_strategy"] == "alltoall"
+    assert config.parallel_layout() == "cp=2"
 
 
 def test_questionnaire_for_deepspeed_writes_its_block(tmp_path):
@@ -128,6 +203,7 @@ def test_questionnaire_for_deepspeed_writes_its_block(tmp_path):
     ]
     result = answer(target, lines)
     assert result.returncode == 0, result.stderr
+    assert "parallelism config" not in result.stdout, "DeepSpeed shards over every process"
     config, _ = load_config(target)
     assert config.distributed_type == "DEEPSPEED"
     assert config.deepspeed_config == {
@@ -172,6 +248,7 @@ def test_real_accelerate_config_files_work_as_is(tmp_path, fixture):
     assert config.mixed_precision == raw["mixed_precision"]
     if "ipex_config" in raw:
         assert any("ipex_config" in note and "does not support" in note for note in notes)
+    assert config.parallelism_config == (raw.get("parallelism_config") or {})
     round_trip = save_config(config, tmp_path / "copy.yaml")
     assert load_config(round_trip)[0] == config
     result = run_cli("config", "validate", str(path))
@@ -200,6 +277,22 @@ def test_real_accelerate_config_files_work_as_is(tmp_path, fixture):
             "bad.yaml: fsdp_config: auto_wrap_policy must be one of",
         ),
         ("mixed_precision: fp12\n", "bad.yaml: mixed_precision must be one of"),
+        (
+            "num_processes: 2\nparallelism_config:\n  parallelism_config_tp_size: 4\n",
+            "bad.yaml: parallelism_config: parallelism_config_tp_size=4 does not fit "
+            "num_processes=2",
+        ),
+        (
+            "num_processes: 2\nparallelism_config: {parallelism_config_tp_szie: 2}\n",
+            "bad.yaml: parallelism_config: unknown key 'parallelism_config_tp_szie' (did you "
+            "mean 'parallelism_config_tp_size'?)",
+        ),
+        (
+            "num_processes: 2\ndistributed_type: DEEPSPEED\n"
+            "parallelism_config: {parallelism_config_tp_size: 2}\n",
+            "bad.yaml: parallelism_config: parallelism_config_tp_size=2 cannot be combined with "
+            "DeepSpeed",
+        ),
     ],
 )
 def test_bad_config_files_give_one_clear_message(tmp_path, content, message):
@@ -209,6 +302,22 @@ def test_bad_config_files_give_one_clear_message(tmp_path, content, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_env_shows_the_parallel_layout(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "num_processes: 4\nparallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
+        "  parallelism_config_tp_size: 2\n"
+    )
+    result = run_cli("env", "--config_file", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "parallelism_config_tp_size: 2" in result.stdout
+    assert "- parallel layout: dp_shard=2 x tp=2" in result.stdout
+    config.write_text("num_processes: 2\nparallelism_config: {parallelism_config_tp_size: 4}\n")
+    result = run_cli("env", "--config_file", str(config))
+    assert result.returncode == 0, "a bug report is written even for a broken config"
+    assert "- config problem: " in result.stdout and "does not fit num_processes=2" in result.stdout
 
 
 def test_env_reports_versions_devices_and_config(tmp_path):

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from torch import nn
 
 from slipstream.cli import estimate_memory
 from slipstream.cli.estimate_memory import (
@@ -19,15 +20,37 @@ from slipstream.cli.estimate_memory import (
     build_model,
     count_parameters,
     estimate,
+    estimate_layouts,
     format_bytes,
     inference_bytes,
+    split_parameters,
 )
+from slipstream.cli.estimate_memory_parallel import ParallelLayout, ProcessShare
 from slipstream.config import ConfigError
 from tests.distributed import run_cli
 
 FACTORIES = "tests.core.cli.model_factories"
 SMALL = f"{FACTORIES}:make_small"
 SMALL_COUNTS = ParameterCounts(total=165, trainable=165, buffers=0, largest_unit=110)
+TINY_LLAMA = "tests.core.cli.test_estimate_memory:make_tiny_llama"
+
+
+def make_tiny_llama(tie_word_embeddings: bool = False) -> nn.Module:
+    """embed 32x8 = 256; per layer q, k, v, o 4 * 8x8 = 256, gate, up, down 3 * 16x8 = 384,
+    two norms 16 (656); norm 8; lm_head 32x8 = 256. N = 256 + 2 * 656 + 8 + 256 = 1,832.
+    Its plan splits all but the norms (40): 1,792."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=4,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return transformers.LlamaForCausalLM(config)
 
 
 def _run(*argv: str) -> int:
@@ -248,6 +271,215 @@ def test_num_processes_must_be_positive():
         estimate(SMALL_COUNTS, 1, ["int8"])
 
 
+# Tensor, pipeline and context parallelism
+
+
+def _steps(spec: str, dtype: str, **sizes: int) -> list[dict[str, int]]:
+    """Totals per strategy for each step of the layout (data parallel only first)."""
+    model = build_model(spec)
+    layout = ParallelLayout(**sizes)
+    split = split_parameters(model, layout.tp)
+    steps = estimate_layouts(count_parameters(model), split, layout, [dtype])
+    return [{row.strategy: row.total for row in step.training} for step in steps]
+
+
+def test_layout_sizes_and_steps():
+    layout = ParallelLayout(16, tp=2, pp=2, cp=2, dp_replicate=2)
+    assert (layout.dp_shard, layout.shard_group) == (1, 2)
+    assert layout.describe() == "dp_replicate 2 x dp_shard 1 x tp 2 x pp 2 x cp 2"
+    assert [step.describe() for step in ParallelLayout(8, tp=2, pp=2).steps()] == [
+        "dp 8",
+        "dp 4 x tp 2",
+        "dp 2 x tp 2 x pp 2",
+    ]
+    assert ParallelLayout(8, pp=2, cp=2).shard_group == 4  # dp 2 x cp 2
+    assert ParallelLayout(8).data_parallel_only
+
+
+def test_without_a_plan_every_linear_weight_stands_in():
+    split = split_parameters(build_model(SMALL), tp=2)
+    assert not split.from_plan and split.modules == 2
+    assert split.split_elements == 100 + 50  # the biases (10 + 5) stay whole
+    assert split.per_process(1, 1) == ProcessShare(165, 165, 110)  # as count_parameters
+    # Units: Linear(10, 10) 50 + 10 = 60, Linear(10, 5) 25 + 5 = 30.
+    assert split.per_process(2, 1) == ProcessShare(90, 90, 60)
+    # A stage holds about half; it still gathers its largest unit whole.
+    assert split.per_process(2, 2) == ProcessShare(45, 45, 60)
+    assert split.per_process(3, 1).total == 34 + 17 + 15  # split weights pad to whole shards
+
+
+def test_tensor_and_pipeline_parallel_arithmetic_of_a_plain_module():
+    dp8, tp2, pp2 = _steps(SMALL, "fp32", num_processes=8, tp=2, pp=2)
+    assert dp8 == _totals(SMALL_COUNTS, 8, "fp32")  # the table without the options
+    # dp 4 x tp 2: 90 parameters per process (largest unit 60), sharded over 4.
+    assert tp2 == {
+        "DDP": 16 * 90,
+        "ZeRO-1": 4 * 90 + 4 * 90 + 8 * 23,
+        "ZeRO-2": 4 * 90 + 4 * 23 + 8 * 23,
+        "ZeRO-3": 16 * 23,
+        "FSDP": 16 * 23 + 4 * 60,
+    }
+    # dp 2 x tp 2 x pp 2: 45 parameters per process, sharded over 2.
+    assert pp2 == {
+        "DDP": 16 * 45,
+        "ZeRO-1": 4 * 45 + 4 * 45 + 8 * 23,
+        "ZeRO-2": 4 * 45 + 4 * 23 + 8 * 23,
+        "ZeRO-3": 16 * 23,
+        "FSDP": 16 * 23 + 4 * 60,
+    }
+
+
+def test_frozen_parameters_are_split_too():
+    split = split_parameters(build_model(f"{FACTORIES}:make_frozen"), tp=2)
+    assert split.per_process(2, 1) == ProcessShare(90, 30, 60)  # trainable: 25 + 5
+    assert _steps(f"{FACTORIES}:make_frozen", "fp32", num_processes=2, tp=2)[1]["DDP"] == (
+        4 * 90 + 4 * 30 + 8 * 30
+    )
+
+
+def test_context_parallel_joins_the_shard_group_and_keeps_weights_whole():
+    dp8, cp2 = _steps(SMALL, "bf16", num_processes=8, cp=2)
+    assert cp2 == dp8  # dp 4 x cp 2 shards over 8, like dp 8
+    # dp 2 x tp 2 x cp 2 shards 90 parameters over 4: like dp 4 x tp 2.
+    assert _steps(SMALL, "fp32", num_processes=8, tp=2, cp=2)[2]["ZeRO-3"] == 16 * 23
+
+
+def test_replicas_shard_within_one_replica():
+    dp8, hsdp = _steps(SMALL, "fp32", num_processes=8, dp_replicate=2)
+    assert hsdp["DDP"] == dp8["DDP"] == 16 * 165
+    assert hsdp["ZeRO-3"] == 16 * 42  # ceil(165 / 4), not ceil(165 / 8)
+    assert hsdp["FSDP"] == 16 * 42 + 4 * 110
+
+
+def test_a_transformers_model_splits_by_its_own_plan():
+    model = build_model(TINY_LLAMA)
+    split = split_parameters(model, tp=2)
+    assert split.from_plan and split.modules == 2 * 7 + 2  # 7 per layer, embed, lm_head
+    assert (sum(p.elements for p in split.parameters), split.split_elements) == (1832, 1792)
+    # Units: the base model (1,576: 1,536 split + 40 norms) and lm_head (256).
+    assert split.per_process(2, 1) == ProcessShare(896 + 40, 896 + 40, 768 + 40)
+    assert split.per_process(2, 2) == ProcessShare(468, 468, 808)
+    dp8, tp2, pp2 = _steps(TINY_LLAMA, "bf16", num_processes=8, tp=2, pp=2)
+    assert dp8["ZeRO-3"] == 16 * 229  # ceil(1832 / 8)
+    assert tp2["DDP"] == 16 * 936 and tp2["FSDP"] == 16 * 234 + 2 * 808
+    assert pp2["ZeRO-2"] == 2 * 468 + 2 * 234 + 12 * 234
+
+
+def test_tied_weights_split_once():
+    model = make_tiny_llama(tie_word_embeddings=True)  # lm_head shares the embedding
+    split = split_parameters(model, tp=2)
+    assert (sum(p.elements for p in split.parameters), split.split_elements) == (1576, 1536)
+
+
+def test_styles_split_weights_and_column_wise_biases():
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 5))
+    model.tp_plan = {"0": "colwise", "1": "rowwise"}
+    split = split_parameters(model, tp=2)
+    assert split.split_elements == 110 + 50  # a row-wise layer's bias stays whole
+    assert split.per_process(2, 1).total == 55 + 25 + 5
+    model.tp_plan = {"0": "local_colwise", "1": "replicate"}
+    assert split_parameters(model, tp=2).split_elements == 110  # named like colwise
+
+
+def test_parallel_table_shows_each_step_and_its_assumptions(capsys):
+    assert _run(SMALL, "--num_processes", "8", "--tp_size", "2", "--pp-size", "2") == 0
+    out = capsys.readouterr().out
+    assert "8 processes = dp 2 x tp 2 x pp 2; ZeRO and FSDP shard over 2 of them" in out
+    assert "Sequential has no tp_plan; as a stand-in every nn.Linear weight is split" in out
+    assert "150 of 165 parameters" in out
+    assert "(assumes stages balanced by parameter count)" in out
+    lines = out.splitlines()
+    ddp = lines.index(next(line for line in lines if line.startswith("DDP")))
+    assert lines[ddp].split()[1:3] == ["dp", "8"] and "2.58 KB" in lines[ddp]
+    assert lines[ddp + 1].split()[:5] == ["dp", "4", "x", "tp", "2"]
+    assert "1.41 KB" in lines[ddp + 1]  # 16 * 90 B
+    assert lines[ddp + 2].split()[-2:] == ["720", "B"]  # 16 * 45 B, fp16 column
+    assert any(line.startswith("Inference, tp 2 x pp 2") and "180 B" in line for line in lines)
+    assert all(name in out for name in (*STRATEGIES, "Inference (weights only)", "1 KB = 1024 B"))
+
+
+def test_context_parallel_and_replicas_are_explained(capsys):
+    _run(TINY_LLAMA, "--num_processes", "8", "--cp_size", "2", "--dp_replicate_size", "2")
+    out = capsys.readouterr().out
+    assert "8 processes = dp_replicate 2 x dp_shard 2 x cp 2" in out
+    assert "cp 2: splits sequences, not weights" in out and "(HSDP)" in out
+    assert "tp_plan" not in out and "Inference," not in out  # weights stay whole
+
+
+def test_sizes_of_one_keep_the_plain_table(capsys):
+    _run(SMALL, "--num_processes", "4")
+    plain = capsys.readouterr().out
+    _run(SMALL, "--num_processes", "4", "--tp-size", "1", "--pp_size", "1", "--cp-size", "1")
+    assert capsys.readouterr().out == plain
+
+
+def test_parallel_json_is_complete(capsys):
+    argv = (SMALL, "--num_processes", "8", "--tp_size", "2", "--pp_size", "2", "--dtypes", "fp32")
+    assert _run(*argv, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    _run(SMALL, "--num_processes", "8", "--dtypes", "fp32", "--json")
+    plain = json.loads(capsys.readouterr().out)
+    parallel = report.pop("parallel")
+    assert report == plain  # the data-parallel figures keep their meaning
+    assert parallel["layout"] == {
+        "description": "dp 2 x tp 2 x pp 2",
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "tp": 2,
+        "pp": 2,
+        "cp": 1,
+        "shard_group": 2,
+    }
+    assert parallel["tensor_parallel"] == {
+        "plan": "nn.Linear weights (stand-in)",
+        "split_parameters": 150,
+        "split_modules": 2,
+    }
+    assert any("balanced by parameter count" in note for note in parallel["notes"])
+    steps = parallel["steps"]
+    assert [step["layout"]["description"] for step in steps] == [
+        "dp 8",
+        "dp 4 x tp 2",
+        "dp 2 x tp 2 x pp 2",
+    ]
+    assert steps[0]["training"] == plain["training"]
+    last = steps[-1]
+    assert last["parameters_per_process"] == {
+        "total": 45,
+        "trainable": 45,
+        "frozen": 0,
+        "largest_unit": 60,
+    }
+    training = {row["strategy"]: row for row in last["training"]}
+    assert training["ZeRO-1"]["optimizer_states"] == 8 * 23 and training["DDP"]["total"] == 720
+    assert last["inference"] == {"fp32": 180}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--tp_size", "0"), "--tp_size must be at least 1, got 0"),
+        (("--pp_size", "-2"), "--pp_size must be at least 1, got -2"),
+        (("--tp_size", "3"), "--tp_size 3 does not divide --num_processes 8; choose sizes"),
+        (
+            ("--tp_size", "2", "--dp_replicate_size", "3"),
+            "--tp_size 2 x --dp_replicate_size 3 = 6 does not divide --num_processes 8",
+        ),
+    ],
+)
+def test_parallel_sizes_are_checked_before_building_the_model(argv, message):
+    # make_broken would fail to build: the sizes are checked first.
+    with pytest.raises(ConfigError) as error:
+        _run(f"{FACTORIES}:make_broken", "--num_processes", "8", *argv)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_tp_size_the_plan_cannot_split_is_an_error():
+    with pytest.raises(ConfigError, match="tp_size=3 does not divide") as error:
+        _run(TINY_LLAMA, "--num_processes", "3", "--tp_size", "3")
+    assert "\n" not in str(error.value)
+
+
 # The ``slipstream`` command, end to end
 
 
@@ -275,3 +507,11 @@ def test_cli_errors_exit_2_with_one_line():
     result = run_cli("estimate-memory", "no_colon_here")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "module:callable" in result.stderr
+
+
+@needs_registration
+def test_cli_parallel_size_errors_exit_2_with_one_line():
+    result = run_cli("estimate-memory", SMALL, "--num-processes", "8", "--pp-size", "3")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "--pp_size 3 does not divide --num_processes 8" in result.stderr
