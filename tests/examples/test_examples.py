@@ -118,3 +118,25 @@ def test_deepspeed_example(tmp_path: Path):
     )
     assert result.returncode == 0, result.stderr
     assert "16-bit weights saved" in result.stdout
+
+
+def test_tensor_parallel_example_on_four_processes(tmp_path: Path):
+    result = run_cli(
+        "launch", "-n", "4", "--cpu", example("tensor_parallel.py"), "--quick",
+        "--save", str(tmp_path / "w"), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "(dp_replicate=1, dp_shard=2, tp=2)" in result.stdout
+    assert "on 203 samples (4 processes)" in result.stdout, "every held-out sample once"
+    assert (tmp_path / "w" / "model.safetensors").exists()
+
+
+def test_tensor_parallel_example_with_a_transformers_model():
+    pytest.importorskip("transformers")
+    result = run_cli(
+        "launch", "-n", "2", "--cpu", example("tensor_parallel.py"), "--quick", "--llama",
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "(dp_replicate=1, dp_shard=1, tp=2)" in result.stdout
+    assert "on 203 samples (2 processes)" in result.stdout
