@@ -316,7 +316,6 @@ def _validate_parallelism(config: LaunchConfig, where: str) -> None:
             f"{CONFIG_PREFIX}dp_shard_size or {CONFIG_PREFIX}dp_replicate_size), or use FSDP2 "
             "(distributed_type: FSDP) instead of DeepSpeed"
         )
-    _check_tp_styles(parallel.tp_plan, where)
 
 
 # ParallelismConfig's own messages name its options bare (``tp_size``).
@@ -330,20 +329,6 @@ def _parallelism_message(text: str) -> str:
     ``parallelism_config_`` key the user wrote in the file or on the command line."""
     text = _BARE_PARALLEL_OPTION.sub(r"parallelism_config_\1", text)
     return text if text.startswith("parallelism_config:") else f"parallelism_config: {text}"
-
-
-def _check_tp_styles(plan: Any, where: str) -> None:
-    """Style names are checked here, not when a model is prepared, so a typo stops the
-    launcher instead of every worker."""
-    from .parallel.tensor_parallel import STYLE_SPLITS
-
-    for pattern, style in (plan or {}).items():
-        if style not in STYLE_SPLITS:
-            raise ConfigError(
-                f"{where}: parallelism_config: parallelism_config_tp_plan: '{pattern}' has "
-                f"unknown style {style!r}{_suggest(style, STYLE_SPLITS)}; use one of "
-                f"{', '.join(STYLE_SPLITS)}"
-            )
 
 
 def config_from_dict(

@@ -315,6 +315,7 @@ class ParallelismConfig:
                         f"such as colwise/rowwise, got {value!r}"
                     )
                 values[key] = {str(k): str(v) for k, v in value.items()}
+                _check_style_names(raw_key, values[key])
             elif key == "cp_comm_strategy":
                 comm_strategy = str(value)
             else:
@@ -345,6 +346,21 @@ _UNSUPPORTED_ACCELERATE_KEYS: dict[str, tuple[Any, ...]] = {
     "sp_seq_length_is_variable": (True, "true", None),
     "sp_attn_implementation": (None,),
 }
+
+
+def _check_style_names(key: str, plan: Mapping[str, str]) -> None:
+    """Style names in a config block are checked when it is read, so a typo stops the
+    launcher instead of every worker."""
+    from .tensor_parallel import STYLE_SPLITS
+
+    for pattern, style in plan.items():
+        if style not in STYLE_SPLITS:
+            close = difflib.get_close_matches(style, list(STYLE_SPLITS), 1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ParallelismConfigError(
+                f"parallelism_config: {key}: '{pattern}' has unknown style {style!r}{hint}; use "
+                f"one of {', '.join(STYLE_SPLITS)}"
+            )
 
 
 def _product(sizes: Mapping[str, int]) -> str:

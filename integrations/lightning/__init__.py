@@ -1,5 +1,5 @@
-"""Lightning integration: slipstream's DDP / FSDP2 / DeepSpeed, precision and checkpoints
-behind ``lightning.pytorch.Trainer(strategy="slipstream")``.
+"""Lightning integration: slipstream's DDP / FSDP2 / DeepSpeed / N-D parallelism, precision
+and checkpoints behind ``lightning.pytorch.Trainer(strategy="slipstream")``.
 
 Importing this package imports Lightning (that is the point of importing it) and registers
 the strategy names with Lightning's ``StrategyRegistry``:
@@ -7,7 +7,9 @@ the strategy names with Lightning's ``StrategyRegistry``:
 ``slipstream`` (what ``slipstream launch`` or the config says, DDP by default),
 ``slipstream_ddp``, ``slipstream_fsdp``, ``slipstream_deepspeed``,
 ``slipstream_deepspeed_stage_1``, ``slipstream_deepspeed_stage_2``,
-``slipstream_deepspeed_stage_3``, ``slipstream_deepspeed_stage_3_offload``.
+``slipstream_deepspeed_stage_3``, ``slipstream_deepspeed_stage_3_offload``,
+``slipstream_model_parallel`` (tensor parallelism inside FSDP2/HSDP; the layout comes from
+``SlipstreamStrategy(parallelism_config=...)`` or a ``parallelism_config`` config block).
 
 Example::
 

@@ -4,9 +4,10 @@
   :class:`~slipstream.integrations.lightning.SlipstreamCheckpointIO` (any fsspec URL). For
   FSDP the full weights and optimizer state come from the core FSDP strategy (gathered to
   the main process) and go back through it on load.
-* FSDP with ``SHARDED_STATE_DICT``, and DeepSpeed: a folder holding the core strategy's own
-  parts (torch.distributed.checkpoint, the DeepSpeed engine checkpoint) plus Lightning's
-  remaining state, committed atomically (see :mod:`.checkpoint_io`).
+* FSDP with ``SHARDED_STATE_DICT``, model parallelism (by default), and DeepSpeed: a folder
+  holding the core strategy's own parts (torch.distributed.checkpoint, the DeepSpeed engine
+  checkpoint) plus Lightning's remaining state, committed atomically (see
+  :mod:`.checkpoint_io`).
 
 Mixed into :class:`~slipstream.integrations.lightning.SlipstreamStrategy`.
 
@@ -70,6 +71,9 @@ class CheckpointingMixin:
         if self.kind == "deepspeed":
             return True
         plugin = self._fsdp_plugin
+        if self.kind == "model_parallel":
+            # No plugin: the core strategy's default, sharded checkpoints.
+            return plugin is None or plugin.sharded_state_dict
         return self.kind == "fsdp" and plugin is not None and plugin.sharded_state_dict
 
     @property

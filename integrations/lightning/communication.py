@@ -1,6 +1,10 @@
 """Lightning's collective API (reduce, all_gather, broadcast, barrier) on slipstream's
 collectives, and the evaluation-pass bookkeeping behind exact metrics.
 
+``reduce`` and ``all_gather`` work over the data-parallel processes (all of them unless a
+parallel layout puts several processes on the same samples); ``broadcast``, ``barrier`` and
+``reduce_boolean_decision`` over every process.
+
 Mixed into :class:`~slipstream.integrations.lightning.SlipstreamStrategy`; ``self.state`` is
 the core :class:`~slipstream.state.ProcessState` once the process group is set up.
 
@@ -48,25 +52,44 @@ class CollectivesMixin:
     lightning_module: Any
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce a tensor over all processes (``self.log(..., sync_dist=True)`` lands here);
-        anything that is not a tensor is returned unchanged."""
+        """Reduce a tensor over the data-parallel processes (``self.log(..., sync_dist=True)``
+        lands here); anything that is not a tensor is returned unchanged.
+
+        Without a parallel layout these are all processes. Under tensor parallelism the
+        processes of one group hold the same samples, so each share of the data counts once
+        (a logged ``reduce_fx="sum"`` is not multiplied by the tensor-parallel size).
+        """
         if not isinstance(tensor, torch.Tensor) or self.state is None:
             return tensor
-        return collectives.reduce(tensor, core_reduction(reduce_op), state=self.state)
+        return collectives.reduce(tensor, core_reduction(reduce_op), state=self.state.data_parallel)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """``all``/``any`` of ``decision`` over every process (early stopping, checkpoint
+        saving): a decision is taken by all processes together, tensor-parallel peers
+        included, so it is not a data-parallel reduction."""
+        if self.state is None or self.state.num_processes == 1:
+            return bool(decision)
+        votes = torch.tensor(int(decision), device=self.state.device)
+        total = collectives.reduce(votes, "sum", state=self.state)
+        return bool(total == self.state.num_processes) if all else bool(total)
 
     def all_gather(
         self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False
     ) -> torch.Tensor:
-        """Every process's ``tensor`` stacked: shape ``(world_size, *tensor.shape)``;
+        """Every data-parallel process's ``tensor`` stacked: shape
+        ``(data_parallel_size, *tensor.shape)`` (the world size without a parallel layout);
         with ``sync_grads`` gradients flow back to each process's input."""
-        if self.state is None or self.state.num_processes == 1:
+        state = self.state.data_parallel if self.state is not None else None
+        if state is None or state.num_processes == 1:
             return tensor.unsqueeze(0)
         if sync_grads:
             # Differentiable: the backward pass sums every process's gradient for a slot.
+            import torch.distributed as dist
             from torch.distributed.nn.functional import all_gather
 
-            return torch.stack(all_gather(tensor.contiguous()))
-        gathered: torch.Tensor = collectives.gather(tensor.unsqueeze(0), state=self.state)
+            where = state.group if state.group is not None else dist.group.WORLD
+            return torch.stack(all_gather(tensor.contiguous(), group=where))
+        gathered: torch.Tensor = collectives.gather(tensor.unsqueeze(0), state=state)
         return gathered
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -1,10 +1,13 @@
-"""SlipstreamStrategy: Lightning's Trainer on slipstream's DDP, FSDP2 and DeepSpeed.
+"""SlipstreamStrategy: Lightning's Trainer on slipstream's DDP, FSDP2, DeepSpeed and N-D
+(tensor-parallel inside FSDP2/HSDP) parallelism.
 
 The strategy is an adapter. The process group comes from
 :meth:`slipstream.state.ProcessState.from_environment`; wrapping, backward, ``no_sync``,
 clipping, state dicts and checkpoint layouts come from the same core strategy objects the
 Accelerator uses (:func:`slipstream.strategies.get_strategy_class`); collectives are
-:mod:`slipstream.collectives`. Nothing here implements a parallelism of its own.
+:mod:`slipstream.collectives`. Nothing here implements a parallelism of its own: a parallel
+layout is arranged by :meth:`slipstream.state.ProcessState.configure_parallelism` and applied
+by the core ``model_parallel`` strategy, as with the Accelerator.
 
 Example::
 
@@ -13,6 +16,9 @@ Example::
 
     trainer = pl.Trainer(strategy="slipstream", accelerator="cpu", devices=2)
     trainer = pl.Trainer(strategy=SlipstreamStrategy(kind="fsdp", config="fsdp.yaml"))
+    layout = ParallelismConfig(dp_shard_size=2, tp_size=2,
+                               tp_plan={"mlp.up": "colwise", "mlp.down": "rowwise"})
+    trainer = pl.Trainer(strategy=SlipstreamStrategy(parallelism_config=layout), devices=4)
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from slipstream import collectives
 from slipstream.env import LaunchEnvironment, read_launch_environment
+from slipstream.parallel import ParallelismConfig, ParallelismConfigError
 from slipstream.state import ProcessState, set_current_state
 from slipstream.step import StepState
 from slipstream.strategies import (
@@ -66,11 +73,20 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
     """A Lightning ``ParallelStrategy`` running on slipstream's core.
 
     Args:
-        kind: ``"ddp"``, ``"fsdp"`` or ``"deepspeed"``; by default what ``config`` or
-            ``slipstream launch`` says (``distributed_type``), else DDP.
+        kind: ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or ``"model_parallel"``; by default what
+            ``config`` or ``slipstream launch`` says (``distributed_type``, a
+            ``parallelism_config`` block), else DDP.
         config: a slipstream/Accelerate config file, a dict of its keys, or a
             :class:`~slipstream.config.LaunchConfig` (``distributed_type``,
-            ``mixed_precision``, ``fsdp_config``, ``deepspeed_config``).
+            ``mixed_precision``, ``fsdp_config``, ``deepspeed_config``,
+            ``parallelism_config``).
+        parallelism_config: arrange the processes in a device mesh
+            (:class:`~slipstream.ParallelismConfig`: data-parallel replicate/shard and tensor
+            parallel sizes, the tensor-parallel plan); implies ``kind="model_parallel"``.
+            Samplers, ``self.log(..., sync_dist=True)``, ``all_gather`` and torchmetrics then
+            work over the data-parallel processes: a tensor-parallel group reads one share of
+            the data. ``fsdp_plugin`` / ``fsdp_options`` set the FSDP2 part; checkpoints are
+            sharded (torch.distributed.checkpoint) unless they say otherwise.
         precision: the precision when the Trainer sets none (``"bf16-mixed"``, ``"16-mixed"``
             for fp16 with a loss scaler also on CPU, ...). A different precision on the
             Trainer as well is an error.
@@ -98,6 +114,7 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
         kind: str | None = None,
         config: ConfigInput = None,
         *,
+        parallelism_config: ParallelismConfig | None = None,
         precision: str | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
@@ -120,23 +137,34 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
         )
-        self.options = resolve_options(kind, config, fsdp_options, deepspeed_options)
+        self.options = resolve_options(
+            kind, config, fsdp_options, deepspeed_options, parallelism_config
+        )
         self.kind = self.options.kind
+        #: The process layout (kind "model_parallel" only).
+        self.parallelism: ParallelismConfig | None = self.options.parallelism
         if ddp_kwargs and self.kind != "ddp":
             raise ValueError(
                 f"{', '.join(sorted(ddp_kwargs))} are DistributedDataParallel options, but this "
                 f"SlipstreamStrategy uses {self.kind}; drop them or use kind='ddp'"
             )
-        if fsdp_plugin is not None and self.kind != "fsdp":
-            raise ValueError(f"fsdp_plugin given but the kind is {self.kind!r}; use kind='fsdp'")
+        if fsdp_plugin is not None and not self._shards_in_place:
+            raise ValueError(
+                f"fsdp_plugin given but the kind is {self.kind!r}; use kind='fsdp' or "
+                "kind='model_parallel'"
+            )
         if deepspeed_plugin is not None and self.kind != "deepspeed":
             raise ValueError(
                 f"deepspeed_plugin given but the kind is {self.kind!r}; use kind='deepspeed'"
             )
         self._ddp_kwargs = ddp_kwargs
-        self._fsdp_plugin = fsdp_plugin or (
-            self.options.fsdp_plugin() if self.kind == "fsdp" else None
-        )
+        if self.kind == "model_parallel":
+            # None: the core strategy's own defaults (sharded checkpoints), as the Accelerator.
+            self._fsdp_plugin = fsdp_plugin or self.options.model_parallel_plugin()
+        else:
+            self._fsdp_plugin = fsdp_plugin or (
+                self.options.fsdp_plugin() if self.kind == "fsdp" else None
+            )
         self._deepspeed_plugin = deepspeed_plugin or (
             self.options.deepspeed_plugin() if self.kind == "deepspeed" else None
         )
@@ -166,6 +194,11 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
             # Manual optimization: DDP's reducer is prepared in pre_backward, not in forward.
             self._forward_redirection = _DDPForwardRedirection()
 
+    @property
+    def _shards_in_place(self) -> bool:
+        """FSDP2 (alone or under a mesh) shards the LightningModule itself, no wrapper."""
+        return self.kind in ("fsdp", "model_parallel")
+
     # -- Lightning's bookkeeping (as DDPStrategy) ------------------------------------------------
     @property
     def is_distributed(self) -> bool:
@@ -191,7 +224,18 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        if self.kind != "model_parallel":
+            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        state = self.state
+        if state is None or state.mesh is None:
+            raise RuntimeError(
+                "SlipstreamStrategy(kind='model_parallel') shards data over the data-parallel "
+                "processes of its device mesh, which exists once the Trainer has set up the "
+                "process group; create samplers inside trainer.fit/validate/test/predict"
+            )
+        # The processes of one tensor-parallel group read the same samples: the data is split
+        # over the data-parallel coordinates only.
+        return {"num_replicas": state.data_parallel_size, "rank": state.data_parallel_index}
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -204,6 +248,7 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._check_layout()
         if (
             self.num_processes * self.num_nodes == 1
             and not self.cluster_environment.creates_processes_externally
@@ -217,6 +262,21 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
             )
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _check_layout(self) -> None:
+        """Fail when the Trainer is built, before any process starts, if the parallel sizes
+        cannot multiply to the Trainer's number of processes."""
+        if self.parallelism is None:
+            return
+        world = self.num_nodes * self.num_processes
+        try:
+            self.parallelism.resolve(world)
+        except ParallelismConfigError as error:
+            raise ParallelismConfigError(
+                f"{error}. This Trainer runs devices={self.num_processes} x "
+                f"num_nodes={self.num_nodes} = {world} process(es): change the sizes or the "
+                "Trainer's devices/num_nodes"
+            ) from None
 
     # -- precision --------------------------------------------------------------------------------
     @property  # type: ignore[override]
@@ -266,6 +326,7 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
             self.state.num_processes == 1 or torch.distributed.is_initialized()
         ):
             set_current_state(self.state)  # validate/test after fit: the same group
+            self._configure_mesh()
             return
         environment = self.cluster_environment
         assert environment is not None
@@ -292,6 +353,20 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
         state.device = self.root_device  # Lightning's device choice (devices=[2, 3], ...)
         set_current_state(state)
         self.state = state
+        self._configure_mesh()
+
+    def _configure_mesh(self) -> None:
+        """Build the job's DeviceMesh now (the core strategy later finds the same one), so
+        the data-parallel coordinates exist for samplers and ``LightningModule.setup``, and
+        ``self.device_mesh`` works in the LightningModule as with Lightning's own
+        ModelParallelStrategy."""
+        if self.parallelism is None:
+            return
+        assert self.state is not None
+        mesh = self.state.configure_parallelism(self.parallelism)
+        module = self.lightning_module
+        if module is not None and hasattr(module, "_device_mesh"):
+            module._device_mesh = mesh.mesh
 
     # -- the core strategy ------------------------------------------------------------------------
     def _core_options(self, trainer: Any) -> dict[str, Any]:
@@ -302,10 +377,16 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
             raise ValueError(
                 f"precision {self.precision_plugin.precision!r} is not available with "
                 f"{self.kind}; use 'bf16-mixed' or '16-mixed' (the weights are then cast by "
-                f"{'FSDP' if self.kind == 'fsdp' else 'DeepSpeed'})"
+                f"{'FSDP' if self._shards_in_place else 'DeepSpeed'})"
             )
         if self.kind == "fsdp":
             return {"plugin": self._fsdp_plugin, "mixed_precision": mode}
+        if self.kind == "model_parallel":
+            return {
+                "parallelism": self.parallelism,
+                "plugin": self._fsdp_plugin,
+                "mixed_precision": mode,
+            }
         plugin = self._deepspeed_plugin
         assert plugin is not None
         clip = getattr(trainer, "gradient_clip_val", None)
@@ -355,7 +436,7 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
             module.to(self.root_device)
             collectives.broadcast(list(module.state_dict().values()), state=self.state)
             self.model = module
-        elif self.kind == "fsdp" and any(module is m for m in getattr(core, "_models", [])):
+        elif self._shards_in_place and any(module is m for m in core.prepared_models):
             _, optimizers = core.setup([], optimizers, device_placement=[])  # already sharded
             self.model = module
         else:
@@ -364,7 +445,9 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
         if fitting:
             self.optimizers = optimizers
         self.setup_precision_plugin()
-        attach_exact_metrics(module, self.state, self.passes)
+        # Metrics sync over the data-parallel processes: tensor-parallel peers saw the same
+        # samples, and counting them once is what keeps the values exact.
+        attach_exact_metrics(module, self.state.data_parallel, self.passes)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -379,7 +462,7 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
         module, model = self.lightning_module, self.model
         assert module is not None and model is not None
         with context():
-            if model is not module or self.kind == "fsdp":
+            if model is not module or self._shards_in_place:
                 # Through the wrapper's forward: DDP prepares its reducer, the DeepSpeed engine
                 # and FSDP's root unit gather parameters, even when the step calls submodules
                 # directly (FSDP shards the LightningModule in place, so Lightning would call
@@ -439,6 +522,11 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
         super().teardown()
 
     def __repr__(self) -> str:
+        layout = ""
+        sizes = self.parallelism.sizes if self.parallelism is not None else None
+        if sizes is not None:
+            layout = f", layout={sizes.describe()!r}"
         return (
-            f"SlipstreamStrategy(kind={self.kind!r}, precision={self.precision_plugin.precision!r})"
+            f"SlipstreamStrategy(kind={self.kind!r}, "
+            f"precision={self.precision_plugin.precision!r}{layout})"
         )

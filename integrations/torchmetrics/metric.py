@@ -147,7 +147,9 @@ def prepare_metric(
             f"prepare_metric takes a torchmetrics Metric or MetricCollection, got "
             f"{type(metric).__name__}"
         )
-    state = state if state is not None else current_state()
+    # Under a parallel layout the processes of one tensor/context-parallel group hold the
+    # same samples: metrics sync over the data-parallel processes only.
+    state = (state if state is not None else current_state()).data_parallel
     if dataloader is not None and not isinstance(dataloader, PreparedDataLoader):
         raise TypeError(
             "prepare_metric(dataloader=...) needs a prepared DataLoader (prepare() it first); "

@@ -19,7 +19,7 @@ from torchmetrics.classification import (  # noqa: E402
     MulticlassF1Score,
 )
 
-from slipstream import Accelerator  # noqa: E402
+from slipstream import Accelerator, ParallelismConfig  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 SAMPLES, BATCH = 1001, 16  # 1001 is a multiple of neither 16 nor 2 x 16
@@ -45,8 +45,12 @@ def _metrics():
     }
 
 
-def _evaluate(prepare: bool = True, split_batches: bool = False) -> dict:
-    acc = Accelerator(split_batches=split_batches)
+def _evaluate(
+    prepare: bool = True, split_batches: bool = False, tensor_parallel: bool = False
+) -> dict:
+    # Under tp 2 x dp 2 the two processes of a tensor-parallel pair hold the same samples.
+    layout = ParallelismConfig(dp_shard_size=2, tp_size=2) if tensor_parallel else None
+    acc = Accelerator(split_batches=split_batches, parallelism_config=layout)
     logits, labels, predicted, observed = _data()
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(SAMPLES)), batch_size=BATCH))
     metrics = {name: acc.prepare(m) if prepare else m for name, m in _metrics().items()}
@@ -73,6 +77,13 @@ def test_two_processes_equal_one_process_exactly(split_batches):
     r0, r1 = run_distributed(_evaluate, True, split_batches)
     for name, value in single.items():
         assert r0[name] == value and r1[name] == value, name
+
+
+def test_tensor_parallel_peers_are_counted_once():
+    single = _evaluate()
+    results = run_distributed(_evaluate, True, False, True, world_size=4, timeout=180)
+    for name, value in single.items():
+        assert all(r[name] == value for r in results), name
 
 
 def test_without_preparing_torchmetrics_counts_the_duplicates():

@@ -96,13 +96,17 @@ def _loss(kind: str, model: nn.Module, batch: list[torch.Tensor]) -> torch.Tenso
 
 
 def _layout(name: str, kind: str) -> ParallelismConfig | None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     plan = None if kind == "llama" else PLAN
+    # DTensor ParallelStyle objects work as plan entries too.
+    objects = {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
     return {
         "tp2xdp2": ParallelismConfig(dp_shard_size=2, tp_size=2, tp_plan=plan),
         "hsdp": ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
         "dp4": ParallelismConfig(dp_shard_size=4),
         "replicas": ParallelismConfig(dp_replicate_size=2),
-        "tp2": ParallelismConfig(tp_size=2, tp_plan=plan),
+        "tp2": ParallelismConfig(tp_size=2, tp_plan=None if kind == "llama" else objects),
         "tp2-sp": ParallelismConfig(tp_size=2, tp_plan=SP_PLAN, sequence_parallel=True),
         "single": None,
     }[name]
@@ -261,16 +265,23 @@ def _check_against_reference(result: dict[str, Any], kind: str, tolerance: float
     assert _max_difference(result["full"], reference["full"]) <= tolerance
 
 
-def _check_data_parallel_coordinates(results: list[dict[str, Any]], tp: int, dp: int) -> None:
+def _check_data_parallel_coordinates(
+    results: list[dict[str, Any]], tp: int, dp: int, split_batches: bool = False
+) -> None:
     """Processes of one TP group read the same samples; data-parallel shards are disjoint."""
+    global_batch = 2 if split_batches else 2 * dp
     for rank, result in enumerate(results):
-        assert result["length"] == SAMPLES // (2 * dp)
+        assert result["length"] == SAMPLES // global_batch
         assert result["seen"] == results[rank - rank % tp]["seen"], "TP peers see one batch"
     shards = [results[r]["seen"] for r in range(0, len(results), tp)]
     for step in range(len(shards[0])):
         indices = [i for shard in shards for i in shard[step]]
-        assert len(set(indices)) == len(indices) == 2 * dp
-    assert all(len(batch) == 2 * dp for batch in results[0]["batches"])
+        assert len(set(indices)) == len(indices) == global_batch
+    assert all(len(batch) == global_batch for batch in results[0]["batches"])
+
+
+UNEVEN = {"even_batches": False}
+SPLIT = {"split_batches": True}
 
 
 def _resume(folder: str) -> dict[str, Any]:
@@ -344,17 +355,25 @@ def test_hybrid_sharding_matches_one_process_and_resumes_bitwise(tmp_path):
         "hsdp",
         "plain",
         5,
-        kwargs={"save_at": 3, "folder": folder},
+        kwargs={"save_at": 3, "folder": folder, "evaluate": True, "options": UNEVEN},
         world_size=4,
         timeout=240,
     )
     first = results[0]
+    for result in results:  # exact metrics without completing the last batch, too
+        assert result["evaluated"] == list(range(37))
     assert [r["ranks"]["dp_replicate"] for r in results] == [0, 0, 1, 1]
     assert [r["ranks"]["dp_shard"] for r in results] == [0, 1, 0, 1]
     _check_data_parallel_coordinates(results, tp=1, dp=4)
     _check_against_reference(first, "plain", 1e-5)
     resumed = run_distributed(
-        _train, "hsdp", "plain", 5, kwargs=_resume(folder), world_size=4, timeout=240
+        _train,
+        "hsdp",
+        "plain",
+        5,
+        kwargs={**_resume(folder), "options": UNEVEN},
+        world_size=4,
+        timeout=240,
     )[0]
     assert _bitwise_equal(resumed["full"], first["full"])
 
@@ -363,15 +382,38 @@ def test_hybrid_sharding_matches_one_process_and_resumes_bitwise(tmp_path):
 
 
 def test_llama_with_its_own_plan_and_tied_embeddings(tmp_path):
-    export = str(tmp_path / "export")
+    export, folder = str(tmp_path / "export"), str(tmp_path / "ckpt")
+    trained = {"export": export, "save_at": 2, "folder": folder, "options": SPLIT}
     results = run_distributed(
-        _train, "tp2xdp2", "llama", 4, kwargs={"export": export}, world_size=4, timeout=240
+        _train, "tp2xdp2", "llama", 4, kwargs=trained, world_size=4, timeout=240
     )
-    _check_data_parallel_coordinates(results, tp=2, dp=2)
-    _check_against_reference(results[0], "llama", 1e-5)
+    first = results[0]
+    _check_data_parallel_coordinates(results, tp=2, dp=2, split_batches=True)
+    _check_against_reference(first, "llama", 1e-5)
     reloaded = transformers.LlamaForCausalLM.from_pretrained(export)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
-    assert _bitwise_equal(reloaded.state_dict(), results[0]["full"])
+    assert _bitwise_equal(reloaded.state_dict(), first["full"])
+
+    resumed = run_distributed(
+        _train,
+        "tp2xdp2",
+        "llama",
+        4,
+        kwargs={**_resume(folder), "options": SPLIT},
+        world_size=4,
+        timeout=240,
+    )[0]
+    assert _bitwise_equal(resumed["full"], first["full"]), "resume is bitwise exact"
+    alone = run_distributed(
+        _train,
+        "single",
+        "llama",
+        2,
+        kwargs={**_resume(folder), "options": SPLIT},
+        world_size=1,
+        timeout=240,
+    )[0]
+    assert _bitwise_equal(alone["loaded"], first["saved"])
 
 
 def test_llama_under_hybrid_sharding(tmp_path):
