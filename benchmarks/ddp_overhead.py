@@ -219,32 +219,6 @@ def _generation(
     }
 
 
-def _median_ratio(values: list[float], bases: list[list[float]]) -> float:
-    """Median per-step ratio against each baseline (paired step by step), averaged."""
-    return statistics.fmean(
-        statistics.median([v / b for v, b in zip(values, base, strict=True)]) for base in bases
-    )
-
-
-def _median_ratio_interval(
-    values: list[float], bases: list[list[float]], timed: int, draws: int = 300
-) -> tuple[float, float]:
-    """95% bootstrap interval of :func:`_median_ratio`, resampling whole rounds (the steps
-    of one round share its conditions)."""
-    rounds = range(0, len(values), timed)
-    pick = random.Random(1)
-    estimates = []
-    for _ in range(draws):
-        chosen = [i + j for i in pick.choices(rounds, k=len(rounds)) for j in range(timed)]
-        estimates.append(
-            _median_ratio(
-                [values[i] for i in chosen], [[base[i] for i in chosen] for base in bases]
-            )
-        )
-    estimates.sort()
-    return estimates[int(0.025 * draws)], estimates[int(0.975 * draws) - 1]
-
-
 def worker(size: str, generations: int, rounds: int, timed: int) -> None:
     dist.init_process_group("gloo")
     variants = _variants()
@@ -276,10 +250,11 @@ def worker(size: str, generations: int, rounds: int, timed: int) -> None:
             "steps": len(wall["torch"]),
             "medians": {name: statistics.median(values) for name, values in wall.items()},
             "ratios": {
-                name: _median_ratio(values, bases(name, wall)) for name, values in wall.items()
+                name: workers.median_ratio(values, bases(name, wall))
+                for name, values in wall.items()
             },
             "intervals": {
-                name: _median_ratio_interval(values, bases(name, wall), timed)
+                name: workers.median_ratio_interval(values, bases(name, wall), timed)
                 for name, values in wall.items()
             },
             # Main-thread CPU time per step above the hand-written loop's: the work the

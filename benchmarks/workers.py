@@ -2,13 +2,16 @@
 
 A worker prints each report as one ``BENCH {json}`` line (from one process only: two
 processes printing at once can interleave their lines); :func:`run_workers` starts the
-script under torchrun and returns the parsed reports.
+script under torchrun and returns the parsed reports. :func:`median_ratio` and
+:func:`median_ratio_interval` are the paired step-time statistics of the overhead scripts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -41,3 +44,27 @@ def run_workers(
         name = os.path.basename(script)
         raise SystemExit(f"{name} {' '.join(arguments)} failed:\n{done.stderr[-3000:]}")
     return reports
+
+
+def median_ratio(values: list[float], bases: list[list[float]]) -> float:
+    """Median per-step ratio against each baseline (paired step by step), averaged."""
+    return statistics.fmean(
+        statistics.median([v / b for v, b in zip(values, base, strict=True)]) for base in bases
+    )
+
+
+def median_ratio_interval(
+    values: list[float], bases: list[list[float]], timed: int, draws: int = 300
+) -> tuple[float, float]:
+    """95% bootstrap interval of :func:`median_ratio`, resampling whole rounds of ``timed``
+    steps (the steps of one round share its conditions)."""
+    rounds = range(0, len(values), timed)
+    pick = random.Random(1)
+    estimates = []
+    for _ in range(draws):
+        chosen = [i + j for i in pick.choices(rounds, k=len(rounds)) for j in range(timed)]
+        estimates.append(
+            median_ratio([values[i] for i in chosen], [[base[i] for i in chosen] for base in bases])
+        )
+    estimates.sort()
+    return estimates[int(0.025 * draws)], estimates[int(0.975 * draws) - 1]

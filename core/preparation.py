@@ -5,6 +5,7 @@ calls, with clear errors for objects that cannot be prepared together."""
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +192,19 @@ class PreparationMixin:
 
         self._check_prepare_arguments([data_loader])
         placement = self.device_placement if device_placement is None else device_placement
+        if (
+            not self.dataloader_config.even_batches
+            and self.strategy.forward_is_collective
+            and self.state.data_parallel_size > 1
+        ):
+            warnings.warn(
+                "even_batches=False gives processes different numbers of batches, but with "
+                f"{self.strategy.name} every forward of a prepared model is a collective: a "
+                "process that runs out of batches leaves the others waiting. Keep "
+                "even_batches=True (gather_for_metrics drops the repeated samples), or do not "
+                "run the model on this loader's batches",
+                stacklevel=2,
+            )
         prepared = prepare_data_loader(
             data_loader,
             state=self.state,

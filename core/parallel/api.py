@@ -35,9 +35,8 @@ class ParallelMixin:
     def distributed_type(self) -> DistributedType:
         raise NotImplementedError
 
-    @staticmethod
     def _parallelism_config(
-        given: ParallelismConfig | None, launch: Mapping[str, Any]
+        self, given: ParallelismConfig | None, launch: Mapping[str, Any]
     ) -> ParallelismConfig | None:
         if given is not None:
             if not isinstance(given, ParallelismConfig):
@@ -47,7 +46,10 @@ class ParallelMixin:
                 )
             return given
         block = launch.get("parallelism_config") or {}
-        return ParallelismConfig.from_config(block) if block else None
+        if block:
+            return ParallelismConfig.from_config(block)
+        # The layout belongs to the processes: a later Accelerator of the same job keeps it.
+        return self.state.parallelism
 
     def _check_deepspeed_layout(self) -> None:
         config = self.parallelism_config

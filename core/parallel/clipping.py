@@ -1,10 +1,11 @@
 """Gradient norms over parameters split across several mesh dimensions.
 
 Under FSDP over tensor parallelism the gradients are DTensors on different meshes: split
-layers live on (dp_shard, tp), the rest on (dp_shard) alone. torch's ``clip_grad_norm_``
-stacks all per-parameter norms into one tensor and fails when the meshes differ; here the
-norms are combined per (mesh, placements) group, each group's total is made whole with one
-collective, and the groups are combined as plain numbers. The result equals the norm of
+layers live on (dp_shard, tp), the rest on (dp_shard) alone, and some processes hold
+copies of the same shard. torch's ``clip_grad_norm_`` stacks all per-parameter norms and
+fails when the meshes differ; reducing each DTensor norm on its own mesh costs a collective
+per group. Here every process adds up its local shards' ``|g|^p``, each divided by how many
+processes hold a copy of that shard, and one all-reduce over all processes gives the norm of
 the full, unsplit gradients.
 
 Example::
@@ -14,53 +15,110 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+# (mesh, placements, holders) -> processes holding one copy of a local shard.
+_COPIES: dict[tuple[Any, ...], int] = {}
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+def _copies(gradient: Any, holders: int) -> int:
+    key = (gradient.device_mesh, tuple(gradient.placements), holders)
+    copies = _COPIES.get(key)
+    if copies is None:
+        mesh = gradient.device_mesh
+        copies = max(1, holders // mesh.size())  # processes outside the mesh hold the same
+        for dim, placement in enumerate(gradient.placements):
+            if placement.is_replicate():
+                copies *= mesh.size(dim)
+        _COPIES[key] = copies
+    return copies
 
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
+def _local_parts(
+    gradients: list[torch.Tensor], holders: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Each gradient's local part to measure and how many processes hold that part."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-def total_norm(gradients: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The ``norm_type`` norm of all ``gradients`` together, as a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if not gradients:
-        return torch.tensor(0.0)
-    groups: dict[Any, list[torch.Tensor]] = {}
+    parts, copies = [], []
     for gradient in gradients:
-        key = (
-            (gradient.device_mesh, tuple(gradient.placements), gradient.device)
-            if isinstance(gradient, DTensor)
-            else (None, None, gradient.device)
-        )
-        groups.setdefault(key, []).append(gradient)
-    parts = []
-    for members in groups.values():
-        norms = torch._foreach_norm(members, norm_type)
-        part = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        if isinstance(part, DTensor):
-            part = part.full_tensor()  # one collective per group
-        parts.append(part)
-    device = _local(gradients[0]).device
-    return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]), norm_type)
+        if not isinstance(gradient, DTensor):
+            parts.append(gradient)
+            copies.append(holders)
+            continue
+        if any(p.is_partial() for p in gradient.placements):
+            # Partial sums (a norm's weight under sequence parallelism): add them up first.
+            gradient = gradient.redistribute(
+                placements=[Replicate() if p.is_partial() else p for p in gradient.placements]
+            )
+        parts.append(gradient._local_tensor)
+        copies.append(_copies(gradient, holders))
+    return parts, copies
+
+
+def _reduce(
+    parts: list[torch.Tensor], copies: list[int], norm_type: float, group: Any
+) -> torch.Tensor:
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    device = parts[0].device if parts else torch.device("cpu")
+    norms = torch._foreach_norm(parts, norm_type) if parts else []
+    if len({n.device for n in norms}) > 1:
+        norms = [n.to(device) for n in norms]
+    if math.isinf(norm_type):
+        total = torch.stack(norms).max().double() if norms else torch.zeros((), device=device)
+        if distributed:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return total.float()
+    if norms:
+        weights = torch.tensor([1.0 / c for c in copies], dtype=torch.float64, device=device)
+        total = (torch.stack(norms).double() ** norm_type * weights).sum()
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+    if distributed:
+        dist.all_reduce(total, group=group)
+    return (total ** (1.0 / norm_type)).float()
+
+
+def total_norm(
+    gradients: list[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    holders: int | None = None,
+    group: Any = None,
+) -> torch.Tensor:
+    """The ``norm_type`` norm of all ``gradients`` of all processes together.
+
+    ``holders``: how many processes hold the same set of parameters (all of them, except
+    under pipeline parallelism, where each stage's processes hold their own); ``group``:
+    the processes to reduce over (default: all). A collective when there are several
+    processes: every process must call it.
+    """
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    parts, copies = _local_parts(gradients, holders or world)
+    return _reduce(parts, copies, float(norm_type), group)
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    holders: int | None = None,
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm."""
+    from torch.distributed.tensor import DTensor
+
     gradients = [p.grad for p in parameters if p.grad is not None]
-    norm = total_norm(gradients, float(norm_type))
+    norm = total_norm(gradients, norm_type, holders=holders)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for gradient in gradients:
-        local = _local(gradient)
+        local = gradient._local_tensor if isinstance(gradient, DTensor) else gradient
         by_device.setdefault(local.device, []).append(local)
     for device, tensors in by_device.items():
         torch._foreach_mul_(tensors, coefficient.to(device))

@@ -31,6 +31,9 @@ class Strategy:
 
     #: Registry name (``"ddp"``, ``"fsdp"``, ...).
     name: ClassVar[str] = "base"
+    #: True when a prepared model's forward is itself a collective (parameters gathered
+    #: from shards, or split across processes): every process must run every forward.
+    forward_is_collective: bool = False
     #: False when a subclass overrides :meth:`backward` (an engine that runs it itself);
     #: otherwise the Accelerator calls ``loss.backward()`` directly, once per step.
     plain_backward: ClassVar[bool] = True

@@ -58,6 +58,7 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(state)
         self.deepspeed = import_deepspeed()
         self.plugin = plugin or DeepSpeedPlugin()
+        self.forward_is_collective = self.plugin.zero_stage == 3
         self.mixed_precision = mixed_precision
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.split_batches = split_batches

@@ -32,7 +32,8 @@ class FSDPStrategy(Strategy):
 
     name: ClassVar[str] = "fsdp"
     #: FSDP casts parameters itself (MixedPrecisionPolicy) instead of running under autocast.
-    autocast_forward: ClassVar[bool] = False
+    autocast_forward: bool = False
+    forward_is_collective = True
 
     def __init__(
         self,

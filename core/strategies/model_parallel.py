@@ -28,6 +28,7 @@ from ..parallel.context_parallel import (
 )
 from ..parallel.tensor_parallel import apply_tensor_parallel, check_divisible, resolve_plan
 from ..state import DistributedType, ProcessState
+from .base import sync_module_states
 from .fsdp import FSDPStrategy
 from .fsdp_plugin import FullyShardedDataParallelPlugin
 
@@ -68,6 +69,11 @@ class ModelParallelStrategy(FSDPStrategy):
             convert_outputs_to_fp32,
         )
         self.mesh = state.configure_parallelism(self.parallelism)
+        # With one data-parallel process per TP group there is nothing to shard: FSDP would
+        # only add copies and hooks (about a fifth of a step), so the model stays TP-only and
+        # mixed precision runs under autocast instead of FSDP's policy.
+        self.shards = sizes.dp_replicate * sizes.dp_shard * sizes.cp > 1
+        self.autocast_forward = not self.shards
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -97,6 +103,15 @@ class ModelParallelStrategy(FSDPStrategy):
     def _shard_mesh(self) -> Any:
         return self.mesh.fsdp_mesh
 
+    def wrap_model(self, model: nn.Module, *, device_placement: bool) -> nn.Module:
+        if self.shards:
+            return super().wrap_model(model, device_placement=device_placement)
+        if device_placement:
+            model = model.to(self.state.device)
+        sync_module_states(model, self.state)
+        self._before_sharding(model)
+        return model
+
     def _wrap_targets(self, model: nn.Module) -> list[nn.Module]:
         if self._default_plugin:
             # No FSDP options given: shard each block a transformers model declares
@@ -112,4 +127,7 @@ class ModelParallelStrategy(FSDPStrategy):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        return clip_grad_norm_(parameters, max_norm, norm_type)
+        # Each pipeline stage's processes hold their own parameters: copies are only counted
+        # among the processes of one stage.
+        holders = self.state.num_processes // self.mesh.sizes.pp
+        return clip_grad_norm_(parameters, max_norm, norm_type, holders=holders)
