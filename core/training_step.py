@@ -4,7 +4,7 @@ gradient clipping, routed through the strategy, the precision and the step state
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,6 +42,14 @@ class TrainingStepMixin:
         """
         if self.coordinator.pending:
             self.coordinator.finish()  # a step left open by optimizers that did not all step
+        mesh = self.state.mesh
+        if mesh is not None and mesh.sizes.pp > 1:
+            raise RuntimeError(
+                "under pipeline parallelism forward and backward run together inside the "
+                "pipeline schedule: replace `loss = loss_fn(model(x), y); "
+                "accelerator.backward(loss)` with `loss = accelerator.forward_backward(model, "
+                "x, target=y, loss_fn=loss_fn)` (it works without pipeline parallelism too)"
+            )
         # Runs every step: the hooks are only looked up when there are callbacks.
         hooks = self.callbacks.callbacks
         if hooks:
@@ -56,6 +64,64 @@ class TrainingStepMixin:
             self.strategy.backward(loss, **kwargs)
         if hooks:
             self.callbacks.call("on_after_backward", self)
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        *args: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Forward, loss and backward of one batch; returns the batch's (detached) mean loss.
+
+        The one training-step call that works under every strategy, pipeline parallelism
+        included, so one script runs with and without it::
+
+            loss = accelerator.forward_backward(model, x, target=y, loss_fn=F.cross_entropy)
+            loss = accelerator.forward_backward(model, **batch)   # transformers: outputs.loss
+
+        Without ``loss_fn`` the model's output must carry the loss (``outputs.loss``, as a
+        transformers model computes it from ``labels``). Under pipeline parallelism the
+        micro-batches run through the schedule, the last stage computes the loss (for a
+        transformers model from ``labels`` with the model's own loss function), and every
+        process gets the same value. Accumulation, loss scaling and callbacks apply as with
+        :meth:`backward`.
+        """
+        positional: tuple[Any, ...] = args
+        if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+            positional, kwargs = (), dict(args[0])
+        from .parallel.pipeline import pipeline_inputs, pipeline_of
+
+        pipeline = pipeline_of(getattr(model, "_orig_mod", model))
+        if pipeline is None:
+            outputs = model(*positional, **kwargs)
+            loss = loss_fn(outputs, target) if loss_fn is not None else _loss_of(outputs)
+            self.backward(loss)
+            return loss.detach()
+        unwrapped = getattr(model, "_orig_mod", model)
+        inputs, labels = pipeline_inputs(str(unwrapped._pipeline_kind), positional, kwargs)
+        target = labels if target is None else target
+        if loss_fn is None:
+            loss_fn = model_loss(unwrapped)
+        if self.coordinator.pending:
+            self.coordinator.finish()
+        hooks = self.callbacks.callbacks
+        if hooks:  # forward and backward interleave: there is no loss before backward yet
+            self.callbacks.call("on_before_backward", self, None)
+        divisor = (
+            self.step_state.loss_divisor if self.step_state.gradient_accumulation_steps > 1 else 1
+        )
+        precision = self.precision
+
+        def scale(loss: torch.Tensor) -> torch.Tensor:
+            loss = loss / divisor if divisor != 1 else loss
+            return precision.scale_loss(loss) if precision.scales_loss else loss
+
+        loss = pipeline.train(inputs, target, loss_fn, scale, 1.0)
+        if hooks:
+            self.callbacks.call("on_after_backward", self)
+        return loss
 
     def call(self, hook: str, *args: Any, **kwargs: Any) -> None:
         """Fire ``hook(accelerator, *args, **kwargs)`` on every callback that defines it
@@ -121,7 +187,9 @@ class TrainingStepMixin:
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def _unscaled_norm(self, parameters: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-        grads = [p.grad for p in parameters if p.grad is not None]
+        # Between synchronising steps the gradients are this process's own partial sums:
+        # measure the local parts (a DTensor's shard), without communication.
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in parameters if p.grad is not None]
         if not grads:
             return torch.tensor(0.0, device=self.state.device)
         norm = torch.linalg.vector_norm(
@@ -138,3 +206,35 @@ class TrainingStepMixin:
             return
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    """The loss a model returned with its outputs (transformers' ``outputs.loss``)."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"forward_backward got no loss_fn and the model's output ({type(outputs).__name__}) "
+            "carries no loss: pass loss_fn=... (and target=...), or labels to a model that "
+            "computes its loss"
+        )
+    return loss
+
+
+def model_loss(model: nn.Module) -> Callable[[Any, Any], torch.Tensor]:
+    """The loss a (pipelined) transformers model computes from logits and labels."""
+    compute = getattr(model, "loss_function", None)
+    config = getattr(model, "config", None)
+    if not callable(compute) or config is None:
+        raise ValueError(
+            "under pipeline parallelism forward_backward needs loss_fn=... (and target=...): "
+            "the last stage computes the loss from its outputs"
+        )
+    text = getattr(config, "get_text_config", None)
+    vocab_size = (text() if callable(text) else config).vocab_size
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels is None:
+            raise ValueError("forward_backward: the batch has no labels to compute the loss from")
+        return compute(logits=logits, labels=labels, vocab_size=vocab_size)
+
+    return loss

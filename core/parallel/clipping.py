@@ -66,7 +66,7 @@ def _reduce(
 ) -> torch.Tensor:
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     device = parts[0].device if parts else torch.device("cpu")
-    norms = torch._foreach_norm(parts, norm_type) if parts else []
+    norms = list(torch._foreach_norm(parts, norm_type)) if parts else []
     if len({n.device for n in norms}) > 1:
         norms = [n.to(device) for n in norms]
     if math.isinf(norm_type):

@@ -32,6 +32,17 @@ from ..config import ConfigError
 #: see the same samples.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
+#: Pipeline schedules (torch.distributed.pipelining's), by slipstream's names.
+PIPELINE_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+PIPELINE_BALANCE = ("parameters", "count")
 CONFIG_PREFIX = "parallelism_config_"
 
 
@@ -135,6 +146,16 @@ class ParallelismConfig:
             (norms and dropout listed as ``"sequence_parallel"`` in the plan run on a slice
             of the sequence).
         sequence_dim: the sequence dimension of activations for ``sequence_parallel``.
+        pp_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``,
+            ``"looped_bfs"``, ``"interleaved_zb"``, ``"zbv"`` or ``"dualpipev"`` (torch's
+            schedules; the last five run several stages per process).
+        pp_microbatches: micro-batches each batch is split into (default: the number of
+            stages); the per-process batch size must be a multiple of it.
+        pp_stages_per_rank: stages per process for interleaved schedules (default 2).
+        pp_split_points: module names where a stage starts (e.g. ``["layers.4"]``),
+            instead of balancing the blocks.
+        pp_balance: ``"parameters"`` (default: equal parameter counts per stage) or
+            ``"count"`` (equal numbers of blocks).
         cp_backend: ``"torch"`` (the only one; accepted for Accelerate compatibility).
         tp_handler / cp_handler: Accelerate's option objects.
 
@@ -151,6 +172,11 @@ class ParallelismConfig:
     sequence_parallel: bool = False
     sequence_dim: int = 1
     cp_backend: str = "torch"
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
+    pp_split_points: list[str] | None = None
+    pp_balance: str = "parameters"
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
     #: Set by :meth:`resolve`: the sizes actually used.
@@ -174,6 +200,19 @@ class ParallelismConfig:
                 f"cp_backend must be 'torch' (torch's context-parallel attention), got "
                 f"{self.cp_backend!r}"
             )
+        if self.pp_microbatches is not None and (
+            not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 1
+        ):
+            raise ParallelismConfigError(
+                f"pp_microbatches must be a positive integer, got {self.pp_microbatches!r}"
+            )
+        self.pp_schedule = schedule_name(self.pp_schedule)
+        if self.pp_balance not in PIPELINE_BALANCE:
+            raise ParallelismConfigError(
+                f"pp_balance must be one of {', '.join(PIPELINE_BALANCE)}, got {self.pp_balance!r}"
+            )
+        if isinstance(self.pp_split_points, str):
+            self.pp_split_points = [p.strip() for p in self.pp_split_points.split(",") if p]
         if self.cp_handler is None:
             self.cp_handler = TorchContextParallelConfig()
         if self.tp_handler is None:
@@ -273,6 +312,13 @@ class ParallelismConfig:
                 block[f"{CONFIG_PREFIX}{dim}_size"] = value
         if self.sequence_parallel:
             block[f"{CONFIG_PREFIX}sequence_parallel"] = True
+        defaults = {"pp_schedule": "1f1b", "pp_balance": "parameters"}
+        for key in ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_balance"):
+            value = getattr(self, key)
+            if value is not None and value != defaults.get(key):
+                block[f"{CONFIG_PREFIX}{key}"] = value
+        if self.pp_split_points:
+            block[f"{CONFIG_PREFIX}pp_split_points"] = list(self.pp_split_points)
         if isinstance(self.tp_plan, Mapping) and all(
             isinstance(v, str) for v in self.tp_plan.values()
         ):
@@ -318,6 +364,14 @@ class ParallelismConfig:
                 _check_style_names(raw_key, values[key])
             elif key == "cp_comm_strategy":
                 comm_strategy = str(value)
+            elif key in ("pp_microbatches", "pp_stages_per_rank"):
+                values[key] = None if value in (None, "") else _as_size(raw_key, value)
+            elif key == "pp_split_points":
+                values[key] = (
+                    [p.strip() for p in value.split(",") if p.strip()]
+                    if isinstance(value, str)
+                    else [str(p) for p in value or []]
+                )
             else:
                 values[key] = value
         config = cls(**values)
@@ -337,6 +391,11 @@ _CONFIG_KEYS = (
     "tp_plan",
     "sequence_parallel",
     "sequence_dim",
+    "pp_schedule",
+    "pp_microbatches",
+    "pp_stages_per_rank",
+    "pp_split_points",
+    "pp_balance",
 )
 # Accelerate's DeepSpeed-Ulysses keys: accepted only when they ask for nothing.
 _UNSUPPORTED_ACCELERATE_KEYS: dict[str, tuple[Any, ...]] = {
@@ -346,6 +405,17 @@ _UNSUPPORTED_ACCELERATE_KEYS: dict[str, tuple[Any, ...]] = {
     "sp_seq_length_is_variable": (True, "true", None),
     "sp_attn_implementation": (None,),
 }
+
+
+def schedule_name(name: str) -> str:
+    """slipstream's name for a pipeline schedule (torch's class names are accepted too)."""
+    lowered = str(name).strip().lower().replace("-", "_")
+    for ours, theirs in PIPELINE_SCHEDULES.items():
+        if lowered in (ours, theirs.lower(), theirs.lower().removeprefix("schedule")):
+            return ours
+    raise ParallelismConfigError(
+        f"unknown pipeline schedule {name!r}; use one of {', '.join(PIPELINE_SCHEDULES)}"
+    )
 
 
 def _check_style_names(key: str, plan: Mapping[str, str]) -> None:

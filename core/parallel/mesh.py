@@ -58,6 +58,9 @@ class ParallelMesh:
         self._data_parallel = self._flattened(("dp_replicate", "dp_shard"), "dp")
         shard_dims = ("dp_shard", "cp") if sizes.cp > 1 else ("dp_shard",)
         self._shard = self._flattened(shard_dims, "dp_shard_cp")
+        # The processes of one pipeline stage: every dimension but pp.
+        stage_dims = tuple(d for d in self.dim_names if d != "pp")
+        self._stage = self._flattened(stage_dims, "stage") if sizes.pp > 1 else None
         quiet_dtensor_notices()
 
     def _flattened(self, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -82,6 +85,11 @@ class ParallelMesh:
             shard_name = "dp_shard_cp" if self.sizes.cp > 1 else "dp_shard"
             return self.mesh["dp_replicate", shard_name]
         return self._shard
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The processes holding the same pipeline stage(s) (``None`` without pp)."""
+        return self._stage.get_group() if self._stage is not None else None
 
     # -- coordinates --------------------------------------------------------------------
     def local_rank(self, dim: str) -> int:

@@ -166,11 +166,17 @@ def expand_plan(model: nn.Module, plan: Mapping[str, Any], *, strict: bool) -> l
 
 
 def resolve_plan(
-    model: nn.Module, user_plan: Mapping[str, Any] | Callable[[nn.Module], Any] | None, tp: int
+    model: nn.Module,
+    user_plan: Mapping[str, Any] | Callable[[nn.Module], Any] | None,
+    tp: int,
+    *,
+    whole_model: bool = True,
 ) -> list[PlannedModule]:
-    """The plan for ``model``: the user's, else the model's own, else an error."""
+    """The plan for ``model``: the user's, else the model's own, else an error.
+    ``whole_model=False`` (a pipeline stage, holding only part of the model, whose plan was
+    checked before splitting): patterns may match nothing."""
     plan = user_plan(model) if callable(user_plan) else user_plan
-    strict = plan is not None
+    strict = whole_model and plan is not None
     if plan is None:
         plan = model_plan(model)
     if not plan:
@@ -182,7 +188,7 @@ def resolve_plan(
             f"{describe_modules(model)}"
         )
     planned = expand_plan(model, plan, strict=strict)
-    if not any(_splits(entry.style) for entry in planned):
+    if whole_model and not any(_splits(entry.style) for entry in planned):
         raise ParallelismConfigError(
             f"the tensor-parallel plan for {type(model).__name__} splits no module "
             f"({dict(plan)}); {describe_modules(model)}"

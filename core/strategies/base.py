@@ -192,27 +192,30 @@ def check_matching_weights(model: nn.Module, tensors: dict[str, torch.Tensor], w
         )
 
 
-def sync_module_states(model: nn.Module, state: ProcessState) -> None:
-    """Give every process process 0's parameters and buffers (as DDP does when it wraps).
+def sync_module_states(model: nn.Module, state: ProcessState, group: Any = None) -> None:
+    """Give every process of ``group`` (default: all) the parameters and buffers of the
+    group's first process (as DDP does when it wraps).
 
     Sharding strategies take each process's part of its *local* weights; without this a
     model initialised differently on some process (a rank-dependent seed, say) would be
     silently assembled from different initialisations.
     """
-    if state.num_processes == 1:
-        return
     import torch.distributed as dist
 
+    group = group if group is not None else state.group
+    if group is None:
+        group = dist.group.WORLD
+    if state.num_processes == 1 or dist.get_world_size(group) == 1:
+        return
     tensors = [t.detach() for t in [*model.parameters(), *model.buffers()]]
     if any(t.is_meta for t in tensors):
         return  # nothing to copy yet; the weights are materialised or loaded later
     coalesced = getattr(dist, "_broadcast_coalesced", None)
-    group = dist.group.WORLD if state.group is None else state.group
     if coalesced is not None and tensors:
-        coalesced(group, tensors, 64 * 1024 * 1024, 0)
+        coalesced(group, tensors, 64 * 1024 * 1024, 0)  # source: the group's first process
     else:
         for tensor in tensors:
-            dist.broadcast(tensor, src=0)
+            dist.broadcast(tensor, group_src=0, group=group)
 
 
 def _load_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -145,7 +145,7 @@ class FSDPStrategy(Strategy):
             )
         if device_placement and not self.plugin.cpu_offload:
             model = model.to(self.state.device)
-        sync_module_states(model, self.state)
+        sync_module_states(model, self.state, self._sync_group())
         self._before_sharding(model)
         targets = self._wrap_targets(model)
         if self.plugin.activation_checkpointing:
@@ -171,6 +171,10 @@ class FSDPStrategy(Strategy):
         """The DeviceMesh FSDP shards over (``None``: all processes)."""
         return None
 
+    def _sync_group(self) -> Any:
+        """The processes that must start from the same weights (``None``: all)."""
+        return None
+
     def setup(
         self,
         models: list[nn.Module],
@@ -184,7 +188,10 @@ class FSDPStrategy(Strategy):
         replacement: dict[int, torch.nn.Parameter] = {}
         for names, model in zip(before, wrapped, strict=True):
             after = {clean_name(n): p for n, p in model.named_parameters()}
-            replacement.update({pid: after[clean_name(n)] for pid, n in names.items()})
+            # (A pipeline stage keeps only some parameters: the others have no replacement.)
+            replacement.update(
+                {pid: after[key] for pid, n in names.items() if (key := clean_name(n)) in after}
+            )
         for optimizer in optimizers:
             self._swap_parameters(optimizer, replacement)
         return wrapped, optimizers

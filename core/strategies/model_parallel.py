@@ -55,10 +55,18 @@ class ModelParallelStrategy(FSDPStrategy):
         # Everything that can be refused is refused before the mesh (a collective) exists.
         sizes = self.parallelism.resolve(state.num_processes)
         if sizes.pp > 1:
-            raise ParallelismConfigError(
-                f"pp_size={sizes.pp} asks for pipeline parallelism, which this version of "
-                "slipstream does not provide yet; use pp_size=1 (the dimension is reserved)"
+            from ..parallel.pipeline import resolve_plan as resolve_pipeline
+
+            config = self.parallelism
+            resolve_pipeline(
+                sizes.pp, config.pp_schedule, config.pp_microbatches, config.pp_stages_per_rank
             )
+            if plugin is not None and not plugin.sharded_state_dict:
+                raise ParallelismConfigError(
+                    "under pipeline parallelism each stage saves its own part: use "
+                    "state_dict_type='SHARDED_STATE_DICT' (get_state_dict and save_model still "
+                    "give the whole model)"
+                )
         if sizes.cp > 1:
             check_context_parallel_supported(state.device)
         self._default_plugin = plugin is None
@@ -83,13 +91,20 @@ class ModelParallelStrategy(FSDPStrategy):
         return self.state.distributed_type
 
     # -- wrapping -------------------------------------------------------------------------
+    def _tensor_parallel_plan(self, model: nn.Module, whole_model: bool) -> list[Any]:
+        sizes = self.mesh.sizes
+        planned = resolve_plan(model, self.parallelism.tp_plan, sizes.tp, whole_model=whole_model)
+        check_divisible(model, planned, sizes.tp)
+        return planned
+
     def _before_sharding(self, model: nn.Module) -> None:
         sizes = self.mesh.sizes
         if sizes.tp > 1:
             tp_mesh = self.mesh.submesh("tp")
             assert tp_mesh is not None
-            planned = resolve_plan(model, self.parallelism.tp_plan, sizes.tp)
-            check_divisible(model, planned, sizes.tp)
+            # A pipeline stage holds only some of the modules the plan names (the plan was
+            # checked against the whole model before it was split).
+            planned = self._tensor_parallel_plan(model, whole_model=sizes.pp == 1)
             apply_tensor_parallel(
                 model,
                 tp_mesh,
@@ -100,17 +115,47 @@ class ModelParallelStrategy(FSDPStrategy):
         if sizes.cp > 1:
             check_context_parallel_model(model)
 
+    def _sync_group(self) -> Any:
+        return self.mesh.stage_group
+
     def _shard_mesh(self) -> Any:
         return self.mesh.fsdp_mesh
 
     def wrap_model(self, model: nn.Module, *, device_placement: bool) -> nn.Module:
+        if self.mesh.sizes.pp > 1:
+            from ..parallel.pipeline import build_pipeline
+
+            if self.mesh.sizes.tp > 1:
+                self._tensor_parallel_plan(model, whole_model=True)
+            return build_pipeline(
+                model,
+                mesh=self.mesh,
+                config=self.parallelism,
+                device=self.state.device,
+                parallelize=lambda stage: self._parallelize(stage, device_placement),
+            )
+        return self._parallelize(model, device_placement)
+
+    def _parallelize(self, model: nn.Module, device_placement: bool) -> nn.Module:
+        """Tensor parallelism, then FSDP2 over the data-parallel processes (if several)."""
         if self.shards:
             return super().wrap_model(model, device_placement=device_placement)
         if device_placement:
             model = model.to(self.state.device)
-        sync_module_states(model, self.state)
+        sync_module_states(model, self.state, self._sync_group())
         self._before_sharding(model)
         return model
+
+    def _swap_parameters(
+        self, optimizer: torch.optim.Optimizer, replacement: dict[int, torch.nn.Parameter]
+    ) -> None:
+        if self.mesh.sizes.pp > 1:
+            # Parameters of other processes' stages are gone from this process.
+            local = {id(p) for model in self.prepared_models for p in model.parameters()}
+            local |= set(replacement)
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in local]
+        super()._swap_parameters(optimizer, replacement)
 
     def _wrap_targets(self, model: nn.Module) -> list[nn.Module]:
         if self._default_plugin:
@@ -122,6 +167,36 @@ class ModelParallelStrategy(FSDPStrategy):
                     ::-1
                 ]
         return super()._wrap_targets(model)
+
+    # -- weights --------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full state dict on the main process (empty on the others); under pipeline
+        parallelism each stage's part is gathered from the stage's first process."""
+        if self.mesh.sizes.pp == 1:
+            return super().model_state_dict(model)
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        # The first process of every stage (coordinate 0 in all other dimensions) sends its
+        # stage's part; these processes form the pipeline group of process 0.
+        if any(self.mesh.local_rank(d) != 0 for d in self.mesh.dim_names if d != "pp"):
+            return {}
+        part = {n: t.detach().cpu() for n, t in full.items() if isinstance(t, torch.Tensor)}
+        pp_mesh = self.mesh.submesh("pp")
+        assert pp_mesh is not None
+        parts: list[Any] = [None] * self.mesh.sizes.pp
+        main = self.state.is_main_process
+        dist.gather_object(part, parts if main else None, group_dst=0, group=pp_mesh.get_group())
+        if not main:
+            return {}
+        merged: dict[str, Any] = {}
+        for stage_part in parts:
+            merged.update(stage_part)
+        return merged
 
     # -- training step --------------------------------------------------------------------
     def clip_grad_norm_(

@@ -231,7 +231,10 @@ def _resume_on_two(folder: str) -> str:
 def test_a_position_that_cannot_map_to_another_process_count_is_refused(tmp_path: Path):
     path = _position_on_one_process(str(tmp_path / "one"))
     messages = run_distributed(_resume_on_two, path)
-    assert all("stopped mid-epoch after 3 batches on each of 1 processes" in m for m in messages)
+    assert all(
+        "stopped mid-epoch after 3 batches on each of 1 data-parallel processes" in m
+        for m in messages
+    )
 
 
 def _async_save(folder: str) -> dict:

@@ -515,7 +515,11 @@ def _errors() -> dict[str, str]:
                 deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=1.0),
             )
         ),
-        "pipeline": _attempt(lambda: Accelerator(parallelism_config=ParallelismConfig(pp_size=2))),
+        "pipeline": _attempt(
+            lambda: Accelerator(
+                parallelism_config=ParallelismConfig(pp_size=2, pp_stages_per_rank=2)
+            )
+        ),
         "context": _attempt(lambda: Accelerator(parallelism_config=ParallelismConfig(cp_size=2))),
         "no plan": _attempt(lambda: tp2().prepare(Net())),
         "features": _attempt(lambda: tp2({"0": "colwise"}).prepare(nn.Sequential(nn.Linear(4, 3)))),
@@ -544,7 +548,7 @@ def test_layout_and_plan_errors_are_clear_and_the_same_on_every_process():
     expected = {
         "sizes": "multiply to dp_shard_size=2 x tp_size=2 = 4 but the job has 2 process(es)",
         "deepspeed": "DeepSpeed cannot be combined with a parallel layout (tp=2)",
-        "pipeline": "pp_size=2 asks for pipeline parallelism",
+        "pipeline": "pp_schedule='1f1b' runs one stage per process",
         "context": "torch provides for CUDA devices only; this process runs on cpu",
         "no plan": "Net has no tensor-parallel plan",
         "features": "tp_size=2 does not divide the 3 output features of 0",

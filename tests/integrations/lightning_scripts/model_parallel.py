@@ -96,7 +96,8 @@ class TensorParallelRegression(pl.LightningModule):
         self.val_seen = SumMetric()  # counts validation samples: exact only if none repeats
         self.seen: list[int] = []  # sample indices this process trained on in epoch 0
         self.mesh_dims: list[str] = []
-        self.weight_dtype = ""  # of a split layer, as forward sees it (FSDP's mixed precision)
+        self.weight_dtype = ""  # of a split layer's weight (fp32 master weights under autocast)
+        self.compute_dtype = ""  # of a split layer's output, as forward computes it
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return run_layers(self, inputs)
@@ -110,6 +111,8 @@ class TensorParallelRegression(pl.LightningModule):
         if self.current_epoch == 0:
             self.seen.extend(int(i) for i in indices)
         self.weight_dtype = str(self.mlp.up.weight.dtype)
+        with torch.no_grad():
+            self.compute_dtype = str(self.mlp.up(torch.tanh(self.embed(inputs))).dtype)
         loss = F.mse_loss(self(inputs), targets)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         # A sum over the data-parallel processes: each sample of the epoch counted once.
@@ -169,6 +172,7 @@ def fit(
         "epoch": trainer.current_epoch,
         "precision": str(trainer.precision),
         "weight_dtype": model.weight_dtype,
+        "compute_dtype": model.compute_dtype,
     }
 
 

@@ -1,0 +1,199 @@
+"""Running a model split into pipeline stages: schedules, the one-call training step, and
+forward-only evaluation.
+
+Under pipeline parallelism a process holds one stage (or a few, for interleaved schedules)
+and forward and backward of the micro-batches interleave inside a torch.distributed
+pipelining schedule, so ``loss = loss_fn(model(x), y); loss.backward()`` cannot work as
+written. ``accelerator.forward_backward(model, x, target=y, loss_fn=...)`` runs the
+schedule and returns the batch's mean loss on every process; calling the prepared model in
+evaluation runs the forward-only schedule and hands every process the last stage's outputs.
+
+Example::
+
+    runtime = PipelineRuntime(stages, pp_group, plan, holders)
+    loss = runtime.train(inputs, target, loss_fn)         # same value on every stage
+    outputs = runtime.evaluate(inputs)                     # last stage's outputs, everywhere
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import PIPELINE_SCHEDULES, ParallelismConfigError, schedule_name
+
+#: Schedules that run one stage per process; the others run several ("virtual" stages).
+SINGLE_STAGE = ("gpipe", "1f1b")
+#: Schedules that place stages in a V (process r: stages r and 2p-1-r), not in a loop.
+V_SHAPED = ("zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The resolved pipeline options."""
+
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+    pp: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stage indices process ``pp_rank`` of the pipeline holds, in order."""
+        if self.schedule in V_SHAPED:
+            return [pp_rank, self.num_stages - 1 - pp_rank]
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+
+
+def resolve_plan(
+    pp: int, schedule: str, microbatches: int | None, stages_per_rank: int | None
+) -> PipelinePlan:
+    """Fill in defaults and check the pipeline options."""
+    name = schedule_name(schedule)
+    single = name in SINGLE_STAGE
+    per_rank = stages_per_rank or (1 if single else 2)
+    if single and per_rank != 1:
+        raise ParallelismConfigError(
+            f"pp_schedule={name!r} runs one stage per process, but pp_stages_per_rank="
+            f"{per_rank}; use one of {', '.join(n for n in PIPELINE_SCHEDULES if n not in SINGLE_STAGE)} "
+            "for several"
+        )
+    if name in V_SHAPED and per_rank != 2:
+        raise ParallelismConfigError(
+            f"pp_schedule={name!r} places exactly 2 stages on each process; set "
+            "pp_stages_per_rank=2 (or leave it unset)"
+        )
+    if not single and per_rank < 2:
+        raise ParallelismConfigError(
+            f"pp_schedule={name!r} interleaves several stages per process; set "
+            "pp_stages_per_rank >= 2 (or leave it unset), or use 'gpipe' / '1f1b'"
+        )
+    count = microbatches or per_rank * pp
+    if count < 1:
+        raise ParallelismConfigError(f"pp_microbatches must be at least 1, got {count}")
+    if name == "interleaved_1f1b" and count % pp:
+        raise ParallelismConfigError(
+            f"pp_schedule='interleaved_1f1b' needs pp_microbatches to be a multiple of "
+            f"pp_size={pp}, got {count}"
+        )
+    return PipelinePlan(name, count, per_rank, pp)
+
+
+def _schedule_class(name: str) -> Any:
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, PIPELINE_SCHEDULES[name])
+
+
+class PipelineRuntime:
+    """The stages this process runs, their schedule and the pipeline's process group."""
+
+    def __init__(self, stages: list[Any], group: Any, plan: PipelinePlan) -> None:
+        self.stages = stages
+        self.group = group
+        self.plan = plan
+        indices = [stage.stage_index for stage in stages]
+        self.holds_first = 0 in indices
+        self.holds_last = plan.num_stages - 1 in indices
+        # Which process of the pipeline group holds the last stage (the loss and outputs).
+        last_here = torch.tensor([1 if self.holds_last else 0])
+        everyone = [
+            torch.zeros(1, dtype=last_here.dtype) for _ in range(dist.get_world_size(group))
+        ]
+        dist.all_gather(everyone, last_here, group=group)
+        self.last_rank = int(torch.cat(everyone).argmax())
+        self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+        self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        cls = _schedule_class(plan.schedule)
+        stage_argument: Any = stages if plan.schedule not in SINGLE_STAGE else stages[0]
+        self.schedule = cls(stage_argument, n_microbatches=plan.microbatches, loss_fn=self._loss)
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._scale(self._loss_fn(output, target))
+
+    def _check_batch(self, inputs: tuple[Any, ...]) -> None:
+        first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+        if first is not None and first.shape[0] % self.plan.microbatches:
+            raise ValueError(
+                f"a batch of {first.shape[0]} samples does not split into "
+                f"pp_microbatches={self.plan.microbatches} equal micro-batches; make the "
+                "per-process batch size a multiple of the number of micro-batches"
+            )
+
+    def train(
+        self,
+        inputs: tuple[Any, ...],
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        scale: Callable[[torch.Tensor], torch.Tensor],
+        unscale: float,
+    ) -> torch.Tensor:
+        """Forward and backward of one batch; the batch's mean loss on every process.
+
+        ``scale`` turns a micro-batch loss into what is back-propagated (accumulation
+        averaging, fp16 loss scaling); ``unscale`` undoes the averaging for the report.
+        """
+        self._check_batch(inputs)
+        self._loss_fn, self._scale = loss_fn, scale
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*inputs, target=target, losses=losses)
+        return self._agreed_loss(losses, unscale, inputs)
+
+    def evaluate(
+        self,
+        inputs: tuple[Any, ...],
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward only; every process of the pipeline gets the last stage's outputs (and,
+        with a ``target`` and ``loss_fn``, the batch's mean loss)."""
+        self._check_batch(inputs)
+        if target is not None and loss_fn is not None:
+            self._loss_fn, self._scale = loss_fn, lambda loss: loss
+            losses: list[torch.Tensor] = []
+            output = self.schedule.eval(*inputs, target=target, losses=losses)
+            return self._broadcast_output(output), self._agreed_loss(losses, 1.0, inputs)
+        # torch computes a loss whenever the schedule has a loss function: none here.
+        saved, self.schedule._loss_fn = self.schedule._loss_fn, None
+        try:
+            output = self.schedule.eval(*inputs)
+        finally:
+            self.schedule._loss_fn = saved
+        return self._broadcast_output(output), None
+
+    def _agreed_loss(
+        self, losses: list[torch.Tensor], unscale: float, inputs: tuple[Any, ...]
+    ) -> torch.Tensor:
+        device = next(
+            (t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu")
+        )
+        if self.holds_last:
+            value = torch.stack([loss.detach().float() for loss in losses]).mean() * unscale
+            loss = value.to(device).reshape(())
+        else:
+            loss = torch.zeros((), device=device)
+        dist.broadcast(loss, group_src=self.last_rank, group=self.group)
+        return loss
+
+    def _broadcast_output(self, output: Any) -> Any:
+        description: list[Any] = [None]
+        if self.holds_last:
+            tensor = output if isinstance(output, torch.Tensor) else output[0]
+            description = [(tuple(tensor.shape), tensor.dtype)]
+        dist.broadcast_object_list(description, group_src=self.last_rank, group=self.group)
+        shape, dtype = description[0]
+        if self.holds_last:
+            tensor = tensor.detach().contiguous()
+        else:
+            device = self.stages[0].device
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, group_src=self.last_rank, group=self.group)
+        return tensor
