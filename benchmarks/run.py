@@ -20,11 +20,14 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = [
     "ddp_overhead.py",
     "tp_overhead.py",
+    "pp_overhead.py",
+    "pp_bubble.py",
     "startup.py",
     "gather_metrics.py",
     "checkpoint_io.py",
     "sharded_memory.py",
     "tp_memory.py",
+    "pp_memory.py",
     "sharded_save.py",
 ]
 # (script, pattern in one of its result lines, target ratio: at most) — from the performance
@@ -33,6 +36,7 @@ SCRIPTS = [
 TARGETS = [
     ("ddp_overhead.py", r"slipstream step", 1.01),
     ("tp_overhead.py", r"slipstream step", 1.02),
+    ("pp_overhead.py", r"slipstream step", 1.02),
     ("startup.py", r"import torch, slipstream", 1.05),
     ("startup.py", r"from slipstream import Accelerator", 1.05),
     ("startup.py", r"slipstream --help", 1.05),
@@ -46,6 +50,9 @@ TARGETS = [
     # About 1/P, as for FSDP2: tensor parallelism over 2 processes, and over 2 x 2 sharding.
     ("tp_memory.py", r"\btp2 vs ddp", 0.60),
     ("tp_memory.py", r"\btp2xdp2 vs ddp", 0.35),
+    # A pipeline stage's parameters, gradients and optimizer state: about 1/P of the model.
+    ("pp_memory.py", r"\bpp2 vs single per-process tensors", 0.60),
+    ("pp_memory.py", r"\bpp4 vs single per-process tensors", 0.35),
     ("sharded_save.py", r"sharded vs full", 1.0),
 ]
 RATIO = re.compile(r"ratio ([0-9.]+)x")

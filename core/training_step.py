@@ -118,7 +118,7 @@ class TrainingStepMixin:
             loss = loss / divisor if divisor != 1 else loss
             return precision.scale_loss(loss) if precision.scales_loss else loss
 
-        loss = pipeline.train(inputs, target, loss_fn, scale, 1.0)
+        loss = pipeline.train(inputs, target, loss_fn, scale)
         if hooks:
             self.callbacks.call("on_after_backward", self)
         return loss

@@ -75,7 +75,9 @@ def check_shapes(model: nn.Module, reader: CheckpointReader, name: str) -> None:
     }
     expected = {clean_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
+    # A pipeline stage holds part of the model: the other stages' tensors are not its own.
+    partial = getattr(model, "_pipeline", None) is not None
+    unexpected = [] if partial else sorted(set(saved) - set(expected))
     wrong = [f"{k} {saved[k]} vs {v}" for k, v in expected.items() if k in saved and saved[k] != v]
     if missing or unexpected or wrong:
         raise ValueError(
@@ -101,11 +103,23 @@ def load_optimizer_part(
     """Read a sharded optimizer part into ``optimizer`` (of ``model``) in its current
     layout; parameters are matched by name, so the layout may differ from the saved one."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer)
+    state = optimizer_part(model, optimizer)
     dcp.load({"optimizer": state}, **dcp_reader_arguments(reader, name))
-    set_optimizer_state_dict(model, optimizer, state)
+    set_optimizer_state_dict(model, optimizer, state, options=_flat())
+
+
+def optimizer_part(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's sharded state keyed by parameter name. Hyperparameters are flattened
+    to one entry per parameter: a pipeline stage's processes hold different parameters,
+    and a single shared ``param_groups`` entry would keep only one stage's."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_flat())
+
+
+def _flat() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)

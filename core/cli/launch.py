@@ -134,6 +134,11 @@ _NESTED: dict[str, list[tuple[str, str, Any, str]]] = {
             ("cp_comm_strategy", str, "context-parallel exchange: allgather or alltoall"),
             ("cp_backend", str, "context-parallel backend: torch"),
             ("sequence_parallel", str, "true: shard activations along the sequence between TP"),
+            ("pp_schedule", str, "gpipe, 1f1b (default), interleaved_1f1b, looped_bfs, ..."),
+            ("pp_microbatches", int, "micro-batches per batch (default: the stages)"),
+            ("pp_stages_per_rank", int, "stages per process for interleaved schedules"),
+            ("pp_split_points", str, "comma-separated module names where stages start"),
+            ("pp_balance", str, "split blocks by parameters (default) or count"),
         )
     ],
 }

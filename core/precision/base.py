@@ -16,6 +16,8 @@ from torch import nn
 from ..tree import map_tensors
 
 _ORIGINAL_FORWARD = "_slipstream_original_forward"
+# The (context, convert_outputs_to_fp32, convert_inputs) a forward was patched with.
+_PATCH = "_slipstream_forward_patch"
 
 
 class Precision:
@@ -90,6 +92,7 @@ def patch_forward_with(
         return map_tensors(_to_fp32, outputs) if convert_outputs_to_fp32 else outputs
 
     setattr(model, _ORIGINAL_FORWARD, original)
+    model.__dict__[_PATCH] = (context, convert_outputs_to_fp32, convert_inputs)
     model.forward = forward
     return model
 
@@ -98,6 +101,20 @@ def restore_forward(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_forward_with` (the model then runs at its own precision)."""
     if hasattr(model, _ORIGINAL_FORWARD):
         delattr(model, _ORIGINAL_FORWARD)
+        model.__dict__.pop(_PATCH, None)
         if "forward" in model.__dict__:
             del model.__dict__["forward"]
     return model
+
+
+def move_forward_patch(source: nn.Module, targets: list[nn.Module]) -> None:
+    """Give ``targets`` (modules built from ``source``, e.g. pipeline stages whose forward
+    differs from the model's) the precision patch of ``source``'s forward, each on its own
+    forward, and take it off ``source``."""
+    patch = source.__dict__.get(_PATCH)
+    if patch is None:
+        return
+    for target in targets:
+        restore_forward(target)  # a shallow copy carries the source's bound wrapper
+        patch_forward_with(target, *patch)
+    restore_forward(source)

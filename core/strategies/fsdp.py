@@ -294,7 +294,7 @@ class FSDPStrategy(Strategy):
             import torch.distributed.checkpoint as dcp
 
             name = sharded.optimizer_folder(index)
-            state = get_optimizer_state_dict(model, optimizer)
+            state = sharded.optimizer_part(model, optimizer)
             dcp.save({"optimizer": state}, **sharded.dcp_writer_arguments(writer, name))
             writer.written.append(name)
             return

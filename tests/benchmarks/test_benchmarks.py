@@ -37,6 +37,15 @@ def test_targets_apply_to_their_own_script_only():
     assert run.target_for("tp_memory.py", memory.format("tp2")) == 0.60
     assert run.target_for("tp_memory.py", memory.format("tp2xdp2")) == 0.35
     assert run.target_for("tp_memory.py", memory.format("tp2").replace("ddp", "fsdp")) is None
+    assert run.target_for("pp_overhead.py", "pp2 1f1b tiny " + line) == 1.02
+    stage = "mlp {} vs single per-process tensors (parameters+gradients+optimizer state): ratio"
+    assert run.target_for("pp_memory.py", stage.format("pp2") + " 0.500x") == 0.60
+    assert run.target_for("pp_memory.py", stage.format("pp4") + " 0.250x") == 0.35
+    assert run.target_for("tp_memory.py", stage.format("pp2")) is None
+    resident = "mlp pp2 vs single per-process peak resident memory above the process: ratio 0.51x"
+    assert run.target_for("pp_memory.py", resident) is None
+    # The idle fraction is compared with theory, with no target.
+    assert run.target_for("pp_bubble.py", "pp2 m=4 1f1b idle 0.25 ... ratio 1.10x") is None
 
 
 def _run_module():
@@ -45,3 +54,39 @@ def _run_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _one_f_one_b(rank: int, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """1F1B's order of actions on ``rank`` (one stage each): warm-up forwards, then one
+    backward and one forward in turn, then the remaining backwards."""
+    warmup = min(microbatches, stages - rank)
+    order = [("F", rank, i) for i in range(warmup)]
+    for i in range(microbatches):
+        order.append(("B", rank, i))
+        if warmup + i < microbatches:
+            order.append(("F", rank, warmup + i))
+    return order
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("microbatches", [4, 8])
+def test_bubble_simulation_matches_the_closed_form(monkeypatch, stages, microbatches):
+    # pp_bubble.py's "theory" replays the recorded orders with unit costs; for GPipe and
+    # 1F1B that must be (p-1)/(m+p-1) whatever a backward costs relative to a forward.
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("pp_bubble", REPO / "benchmarks" / "pp_bubble.py")
+    assert spec is not None and spec.loader is not None
+    bubble = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bubble)
+    gpipe = [
+        [("F", r, i) for i in range(microbatches)] + [("B", r, i) for i in range(microbatches)]
+        for r in range(stages)
+    ]
+    one_f_one_b = [_one_f_one_b(r, stages, microbatches) for r in range(stages)]
+    expected = bubble.closed_form("1f1b", stages, microbatches, 1)
+    assert expected == (stages - 1) / (microbatches + stages - 1)
+    for orders in (gpipe, one_f_one_b):
+        for backward in (1.0, 2.0, 3.0):
+            costs = {"F": 1.0, "B": backward}
+            idle = bubble.simulate(orders, lambda kind, stage, c=costs: c[kind], stages)
+            assert idle == pytest.approx(expected)

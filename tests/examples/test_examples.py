@@ -140,3 +140,17 @@ def test_tensor_parallel_example_with_a_transformers_model():
     assert result.returncode == 0, result.stderr
     assert "(dp_replicate=1, dp_shard=1, tp=2)" in result.stdout
     assert "on 203 samples (2 processes)" in result.stdout
+
+
+def test_pipeline_example_is_the_same_script_with_and_without_a_pipeline(tmp_path: Path):
+    pipelined = run_cli(
+        "launch", "-n", "2", "--cpu", example("pipeline_parallel.py"), "--quick",
+        "--save", str(tmp_path / "w"), timeout=300,
+    )  # fmt: skip
+    alone = run_python(example("pipeline_parallel.py"), "--quick", "--pp", "1", timeout=300)
+    assert pipelined.returncode == 0 and alone.returncode == 0, pipelined.stderr + alone.stderr
+    assert "pipeline stage 0" in pipelined.stdout and "pipeline stage 1" in pipelined.stdout
+    epoch = [line for line in pipelined.stdout.splitlines() if line.startswith("epoch 0")]
+    single = [line for line in alone.stdout.splitlines() if line.startswith("epoch 0")]
+    assert epoch and epoch[0].replace("(2 processes)", "") == single[0].replace("(1 processes)", "")
+    assert (tmp_path / "w" / "model.safetensors").exists()

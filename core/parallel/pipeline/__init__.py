@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...precision.base import move_forward_patch
 from ..config import schedule_name
 from .layout import PipelineLayout, assign_stages, pipeline_layout
 from .runtime import PipelinePlan, PipelineRuntime, resolve_plan
@@ -127,15 +128,16 @@ def build_pipeline(
     pp_mesh = mesh.submesh("pp")
     assert pp_mesh is not None
     group = pp_mesh.get_group()
-    stages = []
-    for index in local:
-        module = build_stage_module(
-            model,
-            layout,
-            assignment[index],
-            first=index == 0,
-            last=index == plan.num_stages - 1,
+    modules = [
+        build_stage_module(
+            model, layout, assignment[index], first=index == 0, last=index == plan.num_stages - 1
         )
+        for index in local
+    ]
+    # A precision patch of the model's forward (autocast) belongs on each stage's forward.
+    move_forward_patch(model, modules)
+    stages = []
+    for index, module in zip(local, modules, strict=True):
         materialise(module, device)
         module = parallelize(module)
         stages.append(PipelineStage(module, index, plan.num_stages, device, group=group))

@@ -110,14 +110,29 @@ class PipelineRuntime:
         dist.all_gather(everyone, last_here, group=group)
         self.last_rank = int(torch.cat(everyone).argmax())
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+        self._reported: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
         self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-        cls = _schedule_class(plan.schedule)
-        stage_argument: Any = stages if plan.schedule not in SINGLE_STAGE else stages[0]
-        self.schedule = cls(stage_argument, n_microbatches=plan.microbatches, loss_fn=self._loss)
+        self.schedule = self._new_schedule()
+        self._signature: Any = None
+
+    def _new_schedule(self) -> Any:
+        cls = _schedule_class(self.plan.schedule)
+        stages: Any = self.stages if self.plan.schedule not in SINGLE_STAGE else self.stages[0]
+        # Gradients are averaged over micro-batches through the loss (see _loss), not by
+        # torch's scale_grads: that divides every .grad after the step, which would also
+        # shrink the gradients accumulated by earlier steps of a gradient-accumulation cycle.
+        return cls(
+            stages,
+            n_microbatches=self.plan.microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
-        return self._scale(self._loss_fn(output, target))
+        loss = self._loss_fn(output, target)
+        self._reported.append(loss.detach())
+        return self._scale(loss) / self.plan.microbatches
 
     def _check_batch(self, inputs: tuple[Any, ...]) -> None:
         first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
@@ -125,8 +140,15 @@ class PipelineRuntime:
             raise ValueError(
                 f"a batch of {first.shape[0]} samples does not split into "
                 f"pp_microbatches={self.plan.microbatches} equal micro-batches; make the "
-                "per-process batch size a multiple of the number of micro-batches"
+                "per-process batch size a multiple of the number of micro-batches (a smaller "
+                "last batch too, or use drop_last=True)"
             )
+        # The stages size their send/receive buffers from the first micro-batch: a batch
+        # of another shape (the last of an epoch, say) needs the schedule set up anew.
+        signature = tuple((tuple(t.shape), t.dtype) for t in inputs if isinstance(t, torch.Tensor))
+        if self._signature is not None and signature != self._signature:
+            self.schedule = self._new_schedule()
+        self._signature = signature
 
     def train(
         self,
@@ -134,18 +156,16 @@ class PipelineRuntime:
         target: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         scale: Callable[[torch.Tensor], torch.Tensor],
-        unscale: float,
     ) -> torch.Tensor:
         """Forward and backward of one batch; the batch's mean loss on every process.
 
         ``scale`` turns a micro-batch loss into what is back-propagated (accumulation
-        averaging, fp16 loss scaling); ``unscale`` undoes the averaging for the report.
+        averaging, fp16 loss scaling).
         """
         self._check_batch(inputs)
-        self._loss_fn, self._scale = loss_fn, scale
-        losses: list[torch.Tensor] = []
-        self.schedule.step(*inputs, target=target, losses=losses)
-        return self._agreed_loss(losses, unscale, inputs)
+        self._loss_fn, self._scale, self._reported = loss_fn, scale, []
+        self.schedule.step(*inputs, target=target)
+        return self._agreed_loss(inputs)
 
     def evaluate(
         self,
@@ -157,10 +177,11 @@ class PipelineRuntime:
         with a ``target`` and ``loss_fn``, the batch's mean loss)."""
         self._check_batch(inputs)
         if target is not None and loss_fn is not None:
-            self._loss_fn, self._scale = loss_fn, lambda loss: loss
-            losses: list[torch.Tensor] = []
-            output = self.schedule.eval(*inputs, target=target, losses=losses)
-            return self._broadcast_output(output), self._agreed_loss(losses, 1.0, inputs)
+            self._loss_fn, self._scale, self._reported = loss_fn, lambda loss: loss, []
+            output = self.schedule.eval(*inputs, target=target)
+            return self._broadcast_output(output), self._agreed_loss(inputs)
+        if self.plan.schedule in V_SHAPED:  # torch's V schedules cannot run forward only
+            return self._broadcast_output(self._forward_in_order(inputs)), None
         # torch computes a loss whenever the schedule has a loss function: none here.
         saved, self.schedule._loss_fn = self.schedule._loss_fn, None
         try:
@@ -169,14 +190,34 @@ class PipelineRuntime:
             self.schedule._loss_fn = saved
         return self._broadcast_output(output), None
 
-    def _agreed_loss(
-        self, losses: list[torch.Tensor], unscale: float, inputs: tuple[Any, ...]
-    ) -> torch.Tensor:
+    def _forward_in_order(self, inputs: tuple[Any, ...]) -> Any:
+        """The whole batch through the stages one after the other (no micro-batches)."""
+        holder = {s: r for r in range(self.plan.pp) for s in self.plan.stages_of(r)}
+        here = dist.get_rank(self.group)
+        modules = {stage.stage_index: stage.submod for stage in self.stages}
+        value: tuple[Any, ...] = inputs
+        for index in range(self.plan.num_stages):
+            if holder[index] != here:
+                if index > 0 and holder[index - 1] == here:
+                    dist.send_object_list([value], group_dst=holder[index], group=self.group)
+                continue
+            if index > 0 and holder[index - 1] != here:
+                received: list[Any] = [None]
+                dist.recv_object_list(received, group_src=holder[index - 1], group=self.group)
+                value = received[0]
+            with torch.no_grad():
+                value = (modules[index](*value),)
+        return value[0] if self.holds_last else None
+
+    def _agreed_loss(self, inputs: tuple[Any, ...]) -> torch.Tensor:
         device = next(
             (t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu")
         )
         if self.holds_last:
-            value = torch.stack([loss.detach().float() for loss in losses]).mean() * unscale
+            # The last micro-batches' losses: when the schedule sets itself up it also
+            # calls the loss on made-up outputs to learn the gradient shapes.
+            real = self._reported[-self.plan.microbatches :]
+            value = torch.stack([loss.float() for loss in real]).mean()
             loss = value.to(device).reshape(())
         else:
             loss = torch.zeros((), device=device)

@@ -45,7 +45,7 @@ def _prune(
     """``module`` (named ``prefix``) holding only the kept units below it: a clone, or the
     module itself with the other units dropped (``in_place``)."""
     clone = module if in_place else _clone(module)
-    if prefix and module._parameters and any(p is not None for p in module._parameters.values()):
+    if any(p is not None for p in module._parameters.values()):
         raise ParallelismConfigError(
             f"{prefix or type(module).__name__} holds parameters of its own "
             f"({', '.join(module._parameters)}), outside the pipeline units; move them into "

@@ -113,3 +113,34 @@ def test_config_block_round_trip_with_accelerate_keys():
 def test_config_block_errors_name_the_key(block, message):
     with pytest.raises(ParallelismConfigError, match=message):
         ParallelismConfig.from_config(block)
+
+
+def test_pipeline_options_round_trip_through_a_config_block():
+    block = {
+        "parallelism_config_pp_size": 2,
+        "parallelism_config_dp_shard_size": -1,
+        "parallelism_config_pp_schedule": "Interleaved1F1B",
+        "parallelism_config_pp_microbatches": "8",
+        "parallelism_config_pp_stages_per_rank": 2,
+        "parallelism_config_pp_split_points": "layers.2, layers.4, layers.6",
+        "parallelism_config_pp_balance": "count",
+    }
+    config = ParallelismConfig.from_config(block)
+    assert config.pp_schedule == "interleaved_1f1b" and config.pp_microbatches == 8
+    assert config.pp_split_points == ["layers.2", "layers.4", "layers.6"]
+    again = ParallelismConfig.from_config(config.to_config())
+    assert again.to_config() == config.to_config()
+    assert again.resolve(8) == MeshSizes(pp=2, dp_shard=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"pp_schedule": "fast"}, "unknown pipeline schedule 'fast'; use one of gpipe, 1f1b"),
+        ({"pp_balance": "flops"}, "pp_balance must be one of parameters, count"),
+        ({"pp_microbatches": 0}, "pp_microbatches must be a positive integer"),
+    ],
+)
+def test_pipeline_option_errors(kwargs, message):
+    with pytest.raises(ParallelismConfigError, match=message):
+        ParallelismConfig(pp_size=2, **kwargs)

@@ -1,0 +1,396 @@
+"""Idle fraction ("bubble") of a pipeline-parallel training step, per schedule, against theory.
+
+Each process runs its stages of a prepared pipeline (``ParallelismConfig(pp_size=p,
+pp_schedule=..., pp_microbatches=m)``, ``accelerator.forward_backward``) on a stack of equal
+MLP blocks split into equal stages. Every compute action the schedule runs is timed where it
+runs: the stage's ``forward_one_chunk`` (a micro-batch's forward), ``backward_one_chunk``
+(its full backward, or the input-gradient half in the zero-bubble schedules) and
+``backward_weight_one_chunk`` (the weight-gradient half), plus the last stage's loss and the
+final gradient scaling, by wrapping those methods of this process's ``PipelineStage`` objects
+and schedule. A step is the interval between two barriers around ``forward_backward``, so
+every process's step has the same length; a process is **busy** while one of its actions
+runs and idle otherwise, and the step's idle fraction is ``1 - busy / step`` averaged over
+the processes (the fraction of processor time the pipeline leaves unused).
+
+Two references, both computed from the order in which the actions actually ran on each
+process (recorded in the same steps) and the dependencies between stages (a micro-batch's
+forward needs the previous stage's, its backward the next stage's backward, a weight
+gradient its input gradient), with no time for communication:
+
+* **theory** — every forward, input-gradient and weight-gradient action takes one unit (a
+  full backward two): the schedule's own bubble as the papers state it. For ``gpipe`` and
+  ``1f1b`` it is (p-1)/(m+p-1), for ``interleaved_1f1b`` and ``looped_bfs`` with v stages
+  per process (p-1)/(v*m+p-1); both closed forms are printed beside it as a check. The
+  zero-bubble schedules have no simple closed form for small m.
+* **ideal here** — the same, with each action taking its measured median time: what is left
+  when only the real costs are unequal (a backward takes about twice a forward, the first
+  stage's backward computes no input gradient, the last stage adds the loss).
+
+The difference between the measured idle fraction and "ideal here" is what the pipeline
+machinery adds: point-to-point transfers, the schedule's Python between actions, and the
+processes' scheduling on shared cores. The part of the step spent blocked in the schedule's
+point-to-point waits is reported too.
+
+On 2 processes on the 2-core machine each process has a core of its own (OMP_NUM_THREADS=1)
+and these are the headline figures. With 4 processes on 2 cores, whenever more than two
+processes compute at once they share the cores: their actions stretch in wall time (the
+"stretch" column: wall time over the thread's CPU time within the actions), which counts as
+busy, so the measured idle fraction is not the schedule's; read those rows as a smoke test.
+
+    python benchmarks/pp_bubble.py            # pp2 (m=4, 8) and pp4 (m=8), every schedule
+    python benchmarks/pp_bubble.py --quick    # smoke test: pp2, m=4, three schedules
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import workers  # benchmarks/workers.py, beside this script
+from torch import nn
+
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zb",
+    "zbv",
+    "dualpipev",
+)
+# Eight equal blocks: every layout used here (2 or 4 processes, 1 or 2 stages each) splits
+# them into equal stages, so theory's equal-stage assumption holds.
+WIDTH, BLOCKS = 256, 8
+# Samples per micro-batch, the same for every m: each action costs the same whatever m is.
+MICRO_BATCH = 16
+# (processes, micro-batches) -> (rounds, timed steps per schedule and round)
+CASES = {(2, 4): (4, 3), (2, 8): (4, 2), (4, 8): (3, 2)}
+WARMUP_STEPS = 1
+# Units of "theory": forward, input gradient, weight gradient one each, a full backward both.
+UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "L": 0.0, "R": 0.0}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+# An action as recorded: (kind, stage index, micro-batch, end time, wall seconds, thread CPU
+# seconds). Kinds: F forward, B full backward, I input gradient, W weight gradient, L the last
+# stage's loss (folded into its forward), R the final gradient scaling (no dependencies).
+Action = tuple[str, int, int, float, float, float]
+
+
+class Recorder:
+    """Times this process's pipeline actions by wrapping its stages' and schedule's methods,
+    and the schedule's blocking point-to-point waits."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.waits: list[tuple[float, float]] = []  # (start, end) of each blocking wait
+        self.schedule: Any = None
+
+    def _timed(self, kind: Callable[..., str], stage: int, method: Callable[..., Any]) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                end, cpu = time.perf_counter(), time.thread_time() - start_cpu
+                chunk = args[0] if args and isinstance(args[0], int) else -1
+                self.actions.append((kind(*args, **kwargs), stage, chunk, end, end - start, cpu))
+
+        return timed
+
+    def instrument(self, stages: list[Any]) -> None:
+        def backward_kind(*args: Any, full_backward: bool = True, **kwargs: Any) -> str:
+            return "B" if full_backward else "I"
+
+        for stage in stages:
+            index = stage.stage_index
+            stage.forward_one_chunk = self._timed(
+                lambda *a, **k: "F", index, stage.forward_one_chunk
+            )
+            stage.backward_one_chunk = self._timed(backward_kind, index, stage.backward_one_chunk)
+            stage.backward_weight_one_chunk = self._timed(
+                lambda *a, **k: "W", index, stage.backward_weight_one_chunk
+            )
+            stage.perform_reduce_grad = self._timed(
+                lambda *a, **k: "R", index, stage.perform_reduce_grad
+            )
+
+    def instrument_loss(self, schedule: Any) -> None:
+        """Time the last stage's loss (the schedule computes it between actions)."""
+        self.schedule = schedule
+        compute_loss = schedule._maybe_compute_loss
+
+        def timed_loss(stage: Any, output: Any, targets: Any, chunk: int, *rest: Any) -> Any:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return compute_loss(stage, output, targets, chunk, *rest)
+            finally:
+                if stage.is_last:
+                    end, cpu = time.perf_counter(), time.thread_time() - start_cpu
+                    self.actions.append(("L", stage.stage_index, chunk, end, end - start, cpu))
+
+        schedule._maybe_compute_loss = timed_loss
+
+    def waiting(self, step_end: float) -> float:
+        """Seconds this process waited on other stages in a step ending at ``step_end``: its
+        blocking point-to-point waits before its last action ended, and everything after
+        (the loss handed to every process, the closing barrier), where the process only
+        waits for the others to finish."""
+        last = max(end for _, _, _, end, _, _ in self.actions)
+        blocked = sum(min(end, last) - start for start, end in self.waits if start < last)
+        return blocked + (step_end - last)
+
+
+def _instrument_waits(active: list[Recorder | None]) -> None:
+    """Time the schedules' blocking point-to-point waits (a private helper of torch's
+    schedules: if it is gone, only the waiting after the last action is counted)."""
+    from torch.distributed.pipelining import schedules
+
+    wait = getattr(schedules, "_wait_batch_p2p", None)
+    if wait is None:
+        return
+
+    def timed_wait(work: Any) -> None:
+        start = time.perf_counter()
+        try:
+            wait(work)
+        finally:
+            recorder = active[0]
+            if recorder is not None:
+                recorder.waits.append((start, time.perf_counter()))
+
+    schedules._wait_batch_p2p = timed_wait
+
+
+def _dependencies(kind: str, stage: int, chunk: int, stages: int) -> list[tuple[str, int, int]]:
+    if kind == "F":
+        return [("F", stage - 1, chunk)] if stage > 0 else []
+    if kind in ("B", "I"):  # needs its own forward and the next stage's input gradient
+        return [("F", stage, chunk)] + ([("G", stage + 1, chunk)] if stage < stages - 1 else [])
+    if kind == "W":
+        return [("I", stage, chunk)]
+    return []
+
+
+def simulate(
+    orders: list[list[tuple[str, int, int]]], cost: Callable[[str, int], float], stages: int
+) -> float:
+    """Idle fraction of running each process's actions in their recorded order, each
+    starting as soon as its process is free and its dependencies are done (no transfer
+    time): the processes' unused share of the makespan."""
+    finished: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * len(orders)
+    busy = [0.0] * len(orders)
+    position = [0] * len(orders)
+    moved = True
+    while moved:
+        moved = False
+        for rank, order in enumerate(orders):
+            while position[rank] < len(order):
+                kind, stage, chunk = order[position[rank]]
+                needs = _dependencies(kind, stage, chunk, stages)
+                if any(need not in finished for need in needs):
+                    break
+                start = max([clock[rank]] + [finished[need] for need in needs])
+                clock[rank] = start + cost(kind, stage)
+                busy[rank] += cost(kind, stage)
+                finished[kind, stage, chunk] = clock[rank]
+                if kind in ("B", "I"):  # the input gradient the previous stage waits for
+                    finished["G", stage, chunk] = clock[rank]
+                position[rank] += 1
+                moved = True
+    if any(p < len(order) for p, order in zip(position, orders, strict=True)):
+        raise RuntimeError("the recorded action orders deadlock: a dependency is missing")
+    makespan = max(clock)
+    return 1.0 - sum(busy) / (len(orders) * makespan)
+
+
+def _order(actions: list[Action]) -> list[tuple[str, int, int]]:
+    """A process's compute actions in the order they ran, the loss folded into its forward."""
+    return [(kind, stage, chunk) for kind, stage, chunk, *_ in actions if kind != "L"]
+
+
+def closed_form(schedule: str, pp: int, microbatches: int, per_rank: int) -> float | None:
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (microbatches + pp - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (pp - 1) / (per_rank * microbatches + pp - 1)
+    return None
+
+
+def worker(
+    pp: int, microbatches: int, schedules: list[str], rounds: int, timed: int, micro_batch: int
+) -> None:
+    from slipstream import Accelerator, ParallelismConfig
+    from slipstream.parallel.pipeline import pipeline_of
+
+    dist.init_process_group("gloo")
+    active: list[Recorder | None] = [None]
+    _instrument_waits(active)
+    runs: dict[str, tuple[Any, nn.Module, torch.optim.Optimizer, Recorder, Any]] = {}
+    for schedule in schedules:
+        config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=microbatches)
+        accelerator = Accelerator(parallelism_config=config)
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        runtime = pipeline_of(accelerator.unwrap_model(model))
+        assert runtime is not None
+        recorder = Recorder()
+        recorder.instrument(runtime.stages)
+        runs[schedule] = (accelerator, model, optimizer, recorder, runtime)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(micro_batch * microbatches, WIDTH, generator=generator)
+    y = torch.randn(micro_batch * microbatches, WIDTH, generator=generator)
+    # Per schedule and timed step: (step seconds, busy seconds, busy CPU seconds, waiting).
+    steps: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in schedules}
+    actions: dict[str, list[Action]] = {s: [] for s in schedules}
+    orders: dict[str, list[tuple[str, int, int]]] = {}
+    for round_index in range(rounds):
+        shift = round_index % len(schedules)
+        for schedule in schedules[shift:] + schedules[:shift]:
+            accelerator, prepared, trainer, recorder, runtime = runs[schedule]
+            for step in range(WARMUP_STEPS + timed):
+                if runtime.schedule is not recorder.schedule:  # built anew by the runtime
+                    recorder.instrument_loss(runtime.schedule)
+                recorder.actions, recorder.waits = [], []
+                dist.barrier()
+                active[0] = recorder
+                start = time.perf_counter()
+                accelerator.forward_backward(prepared, x, target=y, loss_fn=F.mse_loss)
+                dist.barrier()  # the step ends for every process when the last one is done
+                end = time.perf_counter()
+                active[0] = None
+                trainer.step()
+                trainer.zero_grad()
+                if step < WARMUP_STEPS:  # the first steps also set up the stages' buffers
+                    continue
+                busy = sum(wall for *_, wall, _ in recorder.actions)
+                cpu = sum(cpu for *_, cpu in recorder.actions)
+                steps[schedule].append((end - start, busy, cpu, recorder.waiting(end)))
+                actions[schedule] += recorder.actions
+                orders[schedule] = _order(recorder.actions)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.gather_object((steps, actions, orders), gathered if dist.get_rank() == 0 else None)
+    if dist.get_rank() == 0:
+        for schedule in schedules:
+            per_rank = runs[schedule][4].plan.stages_per_rank
+            workers.report(
+                _summary(schedule, pp, microbatches, per_rank, [g[0][schedule] for g in gathered],
+                         [g[1][schedule] for g in gathered], [g[2][schedule] for g in gathered])
+            )  # fmt: skip
+    dist.destroy_process_group()
+
+
+def _summary(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    per_rank: int,
+    steps: list[list[tuple[float, float, float, float]]],
+    actions: list[list[Action]],
+    orders: list[list[tuple[str, int, int]]],
+) -> dict[str, Any]:
+    """One schedule's figures from every process's records."""
+    count = len(steps[0])
+    # Per step: the processes' mean idle share of the step (their steps have one length).
+    idle = [statistics.fmean(1 - rank[i][1] / rank[i][0] for rank in steps) for i in range(count)]
+    waiting = [statistics.fmean(rank[i][3] / rank[i][0] for rank in steps) for i in range(count)]
+    step_seconds = [statistics.fmean(rank[i][0] for rank in steps) for i in range(count)]
+    stretch = statistics.fmean(
+        sum(s[1] for s in rank) / max(1e-12, sum(s[2] for s in rank)) for rank in steps
+    )
+    # The measured median time of each (kind, stage); the loss is part of the forward.
+    durations: dict[tuple[str, int], list[float]] = {}
+    for rank in actions:
+        for kind, stage, _, _, wall, _ in rank:
+            durations.setdefault((kind, stage), []).append(wall)
+    median = {key: statistics.median(values) for key, values in durations.items()}
+
+    def measured(kind: str, stage: int) -> float:
+        extra = median.get(("L", stage), 0.0) if kind == "F" else 0.0
+        return median[kind, stage] + extra
+
+    stages = pp * per_rank
+    return {
+        "schedule": schedule,
+        "pp": pp,
+        "microbatches": microbatches,
+        "per_rank": per_rank,
+        "steps": count,
+        "step_ms": 1e3 * statistics.median(step_seconds),
+        "idle": statistics.median(idle),
+        "idle_range": (min(idle), max(idle)),
+        "waiting": statistics.median(waiting),
+        "stretch": stretch,
+        "theory": simulate(orders, lambda kind, stage: UNIT_COST[kind], stages),
+        "closed_form": closed_form(schedule, pp, microbatches, per_rank),
+        "ideal_here": simulate(orders, measured, stages),
+        "forward_ms": 1e3 * statistics.median(v for (k, _), v in median.items() if k == "F"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", type=int, help="pipeline processes")
+    parser.add_argument("--microbatches", type=int)
+    parser.add_argument("--schedules")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--timed", type=int)
+    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.microbatches, args.schedules.split(","), args.rounds, args.timed,
+               args.micro_batch)  # fmt: skip
+        return
+    cases = {(2, 4): (1, 2)} if args.quick else CASES
+    schedules = ["gpipe", "1f1b", "zbv"] if args.quick else list(SCHEDULES)
+    print(
+        f"{BLOCKS} MLP blocks {WIDTH} wide in equal stages, {args.micro_batch} samples per "
+        "micro-batch; idle = the processes' unused share of the step"
+    )
+    for (pp, microbatches), (rounds, timed) in cases.items():
+        arguments = ["--worker", str(pp), "--microbatches", str(microbatches),
+                     "--schedules", ",".join(schedules), "--rounds", str(args.rounds or rounds),
+                     "--timed", str(args.timed or timed),
+                     "--micro-batch", str(args.micro_batch)]  # fmt: skip
+        for result in workers.run_workers(__file__, arguments, processes=pp):
+            _print(result)
+
+
+def _print(result: dict[str, Any]) -> None:
+    label = f"pp{result['pp']} m={result['microbatches']} {result['schedule']}"
+    closed = result["closed_form"]
+    formula = f" (closed form {closed:.3f})" if closed is not None else ""
+    low, high = result["idle_range"]
+    # The step against the step theory allows for the same compute: busy / (1 - theory).
+    ratio = (1 - result["theory"]) / (1 - result["idle"])
+    print(
+        f"{label:26s} idle {result['idle']:.3f} ({low:.3f}-{high:.3f}) vs theory "
+        f"{result['theory']:.3f}{formula}, ideal here {result['ideal_here']:.3f}; waiting on "
+        f"other stages {result['waiting']:.3f}; stretch {result['stretch']:.2f}; "
+        f"{result['step_ms']:.1f} ms steps, forward {result['forward_ms']:.2f} ms, "
+        f"{result['steps']} steps; step vs theory's for the same compute: ratio {ratio:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
