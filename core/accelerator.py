@@ -44,6 +44,7 @@ from .optimizer import AcceleratedOptimizer, StepCoordinator
 from .parallel import ParallelismConfig
 from .parallel.api import ParallelMixin
 from .precision import Precision, canonical_mode, make_precision, restore_forward
+from .preemption import DEFAULT_SIGNALS, PreemptionHandler
 from .preparation import PreparationMixin
 from .process_control import ProcessControl
 from .scheduler import AcceleratedScheduler
@@ -120,6 +121,10 @@ class Accelerator(
         parallelism_config: arrange the processes in a device mesh with tensor, context and
             (hybrid) sharded data parallelism (also read from a ``parallelism_config`` block);
             see :class:`slipstream.ParallelismConfig`.
+        save_on_preemption: on a preemption signal, every process saves a checkpoint into
+            ``project_dir`` at the next optimizer step and the job exits with code 75 for a
+            requeue; ``load_state("latest")`` resumes (also ``--save_on_preemption``).
+        preemption_signals: the signals that mean preemption (default SIGTERM and SIGUSR1).
         log_with: experiment trackers ("csv", "tensorboard", "wandb", "mlflow", "all" or
             GeneralTracker objects), started by :meth:`init_trackers`.
         callbacks: objects whose hook methods are called during training (see
@@ -147,6 +152,8 @@ class Accelerator(
         log_with: str | GeneralTracker | Sequence[str | GeneralTracker] | None = None,
         callbacks: Sequence[Any] | None = None,
         parallelism_config: ParallelismConfig | None = None,
+        save_on_preemption: bool | None = None,
+        preemption_signals: str | Sequence[str] | None = None,
     ) -> None:
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
@@ -220,6 +227,7 @@ class Accelerator(
         self._custom_objects: list[Any] = []
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}
+        self._preemption = self._preemption_handler(save_on_preemption, preemption_signals, launch)
 
     @staticmethod
     def _join_or_build_state(
@@ -241,6 +249,46 @@ class Accelerator(
         )
         set_current_state(state)
         return state
+
+    def _preemption_handler(
+        self,
+        enabled: bool | None,
+        signals: str | Sequence[str] | None,
+        launch: dict[str, Any],
+    ) -> PreemptionHandler | None:
+        if enabled is None:
+            enabled = bool(launch.get("save_on_preemption", False))
+        if not enabled:
+            return None
+        if not self.project_configuration.project_dir:
+            raise ValueError(
+                "save_on_preemption needs project_dir=... (or a ProjectConfiguration with one): "
+                "the checkpoint goes to {project_dir}/checkpoints, where "
+                "load_state('latest') finds it"
+            )
+        self.project_configuration.automatic_checkpoint_naming = True
+        chosen = signals or launch.get("preemption_signals") or DEFAULT_SIGNALS
+        handler = PreemptionHandler(
+            self.state, list(chosen) if not isinstance(chosen, str) else chosen
+        )
+        handler.install()
+        self.active_loaders.before_batch = self._check_preemption
+        return handler
+
+    def _check_preemption(self) -> None:
+        """At a batch boundary: save and stop if the job is being preempted. Only between
+        optimizer steps (not inside an accumulation cycle), so the checkpoint resumes
+        exactly."""
+        handler = self._preemption
+        if handler is None or not self.step_state.sync_gradients or self.coordinator.pending:
+            return
+        if handler.should_stop(self.step):
+
+            def finish() -> None:
+                for tracker in self.trackers:
+                    tracker.finish()
+
+            handler.stop(save=lambda: self.save_state(), finish=finish)
 
     @staticmethod
     def _dynamo_plugin(

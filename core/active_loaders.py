@@ -24,6 +24,9 @@ class ActiveLoaders:
         self.stack: list[PreparedDataLoader] = []
         #: Called with a loader when it finished a whole pass (the Accelerator's callbacks).
         self.on_pass_end: Callable[[PreparedDataLoader], None] | None = None
+        #: Called before a loader fetches each batch: the step boundary where a preempted
+        #: job saves and stops (``save_on_preemption``).
+        self.before_batch: Callable[[], None] | None = None
 
     @property
     def innermost(self) -> PreparedDataLoader | None:

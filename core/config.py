@@ -67,6 +67,12 @@ class LaunchConfig:
     gpu_ids: str = "all"
     max_restarts: int = 0
     monitor_interval: float = 0.1
+    #: On a preemption signal, save a checkpoint at the next step and exit for requeue.
+    save_on_preemption: bool = False
+    #: The signals that mean "preempted" (comma-separated names).
+    preemption_signals: str = "SIGTERM,SIGUSR1"
+    #: Seconds stopping workers get (after SIGTERM) before they are killed.
+    termination_grace_period: float = 30.0
     gradient_accumulation_steps: int = 1
     dynamo_config: dict[str, Any] = field(default_factory=dict)
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +107,8 @@ class LaunchConfig:
             "debug": self.debug,
             "downcast_bf16": self.downcast_bf16,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "save_on_preemption": self.save_on_preemption,
+            "preemption_signals": self.preemption_signals,
             "dynamo_config": self.dynamo_config,
             "deepspeed_config": self.deepspeed_config,
             "fsdp_config": self.fsdp_config,
@@ -202,6 +210,17 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{where}: monitor_interval must be a positive number of seconds, got "
             f"{config.monitor_interval}"
         )
+    if config.termination_grace_period < 0:
+        raise ConfigError(
+            f"{where}: termination_grace_period must be >= 0 seconds, got "
+            f"{config.termination_grace_period}"
+        )
+    from .preemption import signal_numbers
+
+    try:
+        signal_numbers(config.preemption_signals)
+    except ValueError as error:
+        raise ConfigError(f"{where}: preemption_signals: {error}") from None
     if config.max_restarts < 0:
         raise ConfigError(f"{where}: max_restarts must be >= 0, got {config.max_restarts}")
     if config.gradient_accumulation_steps < 1:

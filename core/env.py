@@ -203,6 +203,27 @@ def export_for_workers(launch_config: Mapping[str, Any], extra: Mapping[str, str
     os.environ.update(extra)
 
 
+#: Set by a process that starts copies of its own script (Lightning's script launcher):
+#: its pid, so the copies know whom to outlive not.
+SPAWNER_VARIABLE = "SLIPSTREAM_SPAWNER_PID"
+
+
+def mark_as_spawner() -> None:
+    """Tell the processes this one is about to start that it is their spawner."""
+    os.environ[SPAWNER_VARIABLE] = str(os.getpid())
+
+
+def spawner_pid() -> int | None:
+    """The process that started this one as a copy of its script, if it said so."""
+    raw = os.environ.get(SPAWNER_VARIABLE, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def slurm_job_id() -> str | None:
+    """The SLURM job this process belongs to, if any (for requeueing it)."""
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
 def is_set(name: str) -> bool:
     """Whether an environment variable is present (used for torch's own knobs)."""
     return name in os.environ

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -81,6 +82,8 @@ def worker_variables(config: LaunchConfig) -> dict[str, str]:
     elif config.gpu_ids not in ("all", ""):
         extra["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
     per_machine = config.num_processes // config.num_machines
+    # How long stopping workers get (after SIGTERM) before torchrun's agent kills them.
+    extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(config.termination_grace_period))
     if not is_set("OMP_NUM_THREADS") and per_machine > 1:
         # torchrun would use 1 thread per worker; on CPU share the cores instead.
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_machine))
@@ -88,16 +91,41 @@ def worker_variables(config: LaunchConfig) -> dict[str, str]:
 
 
 def launch(request: LaunchRequest) -> int:
-    """Run the job; returns the exit code (0 when every worker succeeded)."""
+    """Run the job; returns the exit code (0 when every worker succeeded, 128 + N when the
+    launcher was stopped by signal N, :data:`REQUEUE_EXIT_CODE` when the workers saved a
+    checkpoint because the job was preempted)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    export_for_workers(request.config.worker_settings(), worker_variables(request.config))
+    from .lifecycle import forward_signals
+    from .preemption import REQUEUE_EXIT_CODE, signal_numbers
+
+    config = request.config
+    export_for_workers(config.worker_settings(), worker_variables(config))
+    # torchrun's agent stops the workers on SIGTERM/SIGINT itself (then waits the grace
+    # period); other preemption signals (SLURM's SIGUSR1) go to the workers, who save.
+    death = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+    forward_signals([s for s in signal_numbers(config.preemption_signals) if s not in death])
     torchrun_args = get_args_parser().parse_args(torchrun_arguments(request))
     try:
         run(torchrun_args)
+    except SignalException as stopped:
+        print(
+            f"slipstream launch: stopped by {signal.Signals(stopped.sigval).name}; the "
+            "workers were asked to stop",
+            file=sys.stderr,
+        )
+        return 128 + int(stopped.sigval)
     except ChildFailedError as failure:
-        print(failure.format_msg(), file=sys.stderr)
         codes = [f.exitcode for f in failure.failures.values() if f.exitcode and f.exitcode > 0]
+        if codes and all(code == REQUEUE_EXIT_CODE for code in codes):
+            print(
+                "slipstream launch: the job was preempted; the workers saved a checkpoint "
+                f"and stopped (exit code {REQUEUE_EXIT_CODE}: requeue, then resume)",
+                file=sys.stderr,
+            )
+            return REQUEUE_EXIT_CODE
+        print(failure.format_msg(), file=sys.stderr)
         return codes[0] if codes else 1
     return 0

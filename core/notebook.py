@@ -27,6 +27,22 @@ def _in_notebook() -> bool:
     return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
 
 
+class _WatchingParent:
+    """``function`` run in a worker that ends when the notebook (its launcher) dies."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        # torchrun names the entry point in its logs and events.
+        self.__name__ = getattr(function, "__name__", "function")
+        self.__qualname__ = getattr(function, "__qualname__", self.__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        from .lifecycle import watch_parent
+
+        watch_parent()
+        return self.function(*args)
+
+
 def notebook_launcher(
     function: Callable[..., Any],
     args: tuple[Any, ...] = (),
@@ -68,7 +84,7 @@ def notebook_launcher(
         start_method=method,
     )
     try:
-        results = elastic_launch(config, function)(*args)
+        results = elastic_launch(config, _WatchingParent(function))(*args)
     except ChildFailedError as failure:
         raise RuntimeError(f"notebook_launcher: a process failed\n{failure.format_msg()}") from None
     return [results[rank] for rank in sorted(results)]

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
 
 from .env import error_file
+from .lifecycle import watch_parent
 
 # Messages of errors a rank gets because *another* rank died (gloo, NCCL, the TCP store).
 _PEER_FAILURE_MARKERS = (
@@ -78,14 +80,19 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m slipstream.worker [--module] TARGET [ARGS...]")
     target = args[0]
     sys.argv = [target, *args[1:]]
+    watch_parent()  # the launcher: if it dies, so does this worker
     try:
         if as_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
         raise
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every worker at once: stop quietly (the launcher reports it once)
+        # instead of a traceback from each rank.
+        sys.exit(128 + signal.SIGINT)
     except BaseException as error:
         from .state import note_failure
 

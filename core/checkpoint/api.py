@@ -144,10 +144,19 @@ class CheckpointingMixin:
             return None
         return self.checkpointer.wait()
 
-    def load_state(self, input_dir: str | None = None, **_: Any) -> str:
+    def load_state(self, input_dir: str | None = None, **_: Any) -> str | None:
         """Restore what :meth:`save_state` saved (the latest automatic checkpoint when
         ``input_dir`` is omitted); the next batch of each prepared dataloader is the one that
-        followed the save. Returns the checkpoint's location."""
+        followed the save. Returns the checkpoint's location.
+
+        ``load_state("latest")`` loads the newest committed checkpoint in
+        ``{project_dir}/checkpoints`` and does nothing (returns ``None``) when there is none,
+        so one command both starts and resumes a job.
+        """
+        if input_dir == "latest":
+            input_dir = self.checkpointer.latest()
+            if input_dir is None:
+                return None
         return self.checkpointer.load(input_dir, self._training_objects())
 
     def register_for_checkpointing(self, *objects: Any) -> None:

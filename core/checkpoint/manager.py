@@ -160,6 +160,19 @@ class Checkpointer:
             raise CheckpointError(f"no complete checkpoint_N folder in {folder}")
         return storage.url(found[-1][1])
 
+    def latest(self) -> str | None:
+        """The newest complete ``checkpoint_N`` in the project's checkpoint folder, if any."""
+        folder = self._checkpoints_folder()
+
+        def find() -> str | None:
+            storage = Storage.for_url(folder)
+            if not storage.exists(storage.root):
+                return None
+            found = automatic_checkpoints(storage, storage.root)
+            return storage.url(found[-1][1]) if found else None
+
+        return self._on_main(find)
+
     # -- save -----------------------------------------------------------------------------
     def save(self, path: str | None, objects: TrainingObjects, async_save: bool = False) -> str:
         """Write a checkpoint of ``objects``; returns its final location.

@@ -44,6 +44,16 @@ _TOP_LEVEL: dict[str, list[tuple[str, Any, str]]] = {
     "fault tolerance": [
         ("max_restarts", int, "restart the workers up to N times on failure"),
         ("monitor_interval", float, "seconds between worker health checks (default 0.1)"),
+        (
+            "preemption_signals",
+            str,
+            "signals that mean preempted, with --save_on_preemption (default SIGTERM,SIGUSR1)",
+        ),
+        (
+            "termination_grace_period",
+            float,
+            "seconds stopping workers get before they are killed (default 30)",
+        ),
     ],
 }
 _SWITCHES = {  # store_const flags: flag -> (config key, value)
@@ -52,6 +62,7 @@ _SWITCHES = {  # store_const flags: flag -> (config key, value)
     "multi_gpu": ("distributed_type", "MULTI_GPU"),
     "use_fsdp": ("distributed_type", "FSDP"),
     "use_deepspeed": ("distributed_type", "DEEPSPEED"),
+    "save_on_preemption": ("save_on_preemption", True),
 }
 # Flags that fill a nested block of the config: block -> [(flag, key in block, type, help)].
 _NESTED: dict[str, list[tuple[str, str, Any, str]]] = {
@@ -187,6 +198,14 @@ def register(subparsers: Any) -> None:
                 action="store_const",
                 const=True,
                 help="check every collective for matching calls on all ranks",
+            )
+        if title == "fault tolerance":
+            _option(
+                group,
+                "save_on_preemption",
+                action="store_const",
+                const=True,
+                help="on a preemption signal save a checkpoint at the next step, exit for requeue",
             )
     for block, nested in _NESTED.items():
         group = parser.add_argument_group(_GROUP_TITLES[block])

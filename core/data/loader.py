@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -212,7 +212,7 @@ class PreparedDataLoader(DataLoader[Any]):
         # Starting an iterator draws a worker seed from torch's RNG. When resuming mid-epoch
         # that draw already happened before the checkpoint, so undo it to stay bitwise exact.
         resumed_rng = torch.get_rng_state() if pending_skip or iterable_skip else None
-        batches = super().__iter__()
+        batches: Iterator[Any] = super().__iter__()
         if resumed_rng is not None:
             torch.set_rng_state(resumed_rng)
         length = self._pass_length()
@@ -224,6 +224,9 @@ class PreparedDataLoader(DataLoader[Any]):
                 if next(batches, _EXHAUSTED) is _EXHAUSTED:
                     break
                 self.batches_yielded += 1
+            before_batch = self.active_loaders.before_batch
+            if before_batch is not None:
+                batches = _checked(batches, before_batch)
             # Per-batch position updates write the instance dict directly: DataLoader's own
             # __setattr__ is Python code and would run twice for every batch.
             position = self.__dict__
@@ -311,6 +314,17 @@ class PreparedDataLoader(DataLoader[Any]):
 
 
 _EXHAUSTED = object()
+
+
+def _checked(batches: Iterator[Any], before: Callable[[], None]) -> Iterator[Any]:
+    """``batches``, calling ``before()`` before fetching each one (so a checkpoint taken
+    there records the position, and random state, of a step boundary)."""
+    while True:
+        before()
+        batch = next(batches, _EXHAUSTED)
+        if batch is _EXHAUSTED:
+            return
+        yield batch
 
 
 def _agreed_seed(generator: torch.Generator | None, state: ProcessState) -> int:

@@ -268,6 +268,15 @@ class DeepSpeedStrategy(Strategy):
         self, model: nn.Module, reader: CheckpointReader, index: int
     ) -> Callable[[], None]:
         reader.require(CHECKPOINT_TAG, "the DeepSpeed engine checkpoint")
+        saved = int(reader.manifest.get("num_processes", self.state.num_processes))
+        if saved != self.state.num_processes and self.plugin.zero_stage > 0:
+            raise DeepSpeedConfigError(
+                f"{reader.storage.url(reader.folder)} was saved by {saved} processes, and a "
+                f"DeepSpeed ZeRO checkpoint loads only on as many; this job has "
+                f"{self.state.num_processes}. Resume with {saved} processes, or convert it to "
+                "DeepSpeed's universal checkpoint (deepspeed.checkpoint.ds_to_universal) and "
+                "load that, or use FSDP2 (its checkpoints load on any number of processes)"
+            )
 
         def apply() -> None:
             path, _ = self.engine.load_checkpoint(reader.folder, tag=CHECKPOINT_TAG)

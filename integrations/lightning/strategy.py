@@ -44,7 +44,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch.nn.parallel import DistributedDataParallel
 
 from slipstream import collectives
-from slipstream.env import LaunchEnvironment, read_launch_environment
+from slipstream.env import LaunchEnvironment, mark_as_spawner, read_launch_environment
 from slipstream.parallel import ParallelismConfig, ParallelismConfigError
 from slipstream.state import ProcessState, set_current_state
 from slipstream.step import StepState
@@ -257,6 +257,8 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
             # the process environment, so notebooks and test sessions stay clean).
             self._launcher = None
         elif self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                mark_as_spawner()  # the script copies it starts end if this process dies
             self._launcher = _SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
@@ -316,7 +318,22 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
     # -- process group ----------------------------------------------------------------------------
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._watch_trainer_process()
         self.setup_distributed()
+
+    def _watch_trainer_process(self) -> None:
+        """A process the Trainer started (spawned, or a script copy) ends when the process
+        that started it dies, instead of running on as an orphan."""
+        import multiprocessing
+        import os
+
+        from slipstream.env import spawner_pid
+        from slipstream.lifecycle import watch_parent
+
+        spawned = multiprocessing.parent_process() is not None  # start_method spawn/fork
+        copied = spawner_pid() is not None and spawner_pid() == os.getppid()  # popen
+        if spawned or copied:
+            watch_parent()
 
     def setup_distributed(self) -> None:
         """Join (or adopt) the process group through the core ProcessState."""

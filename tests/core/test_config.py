@@ -168,3 +168,32 @@ def test_the_fix_is_named_too():
     with pytest.raises(ConfigError) as raised:
         config_from_dict({"num_processes": 3, "parallelism_config": {"tp_size": 2}})
     assert "change the sizes or num_processes" in str(raised.value)
+
+
+def test_preemption_keys_reach_the_workers_and_the_launcher():
+    from slipstream.launch import worker_variables
+
+    config, _ = config_from_dict(
+        {
+            "num_processes": 2,
+            "save_on_preemption": True,
+            "preemption_signals": "SIGUSR2,SIGTERM",
+            "termination_grace_period": 120,
+        }
+    )
+    settings = config.worker_settings()
+    assert settings["save_on_preemption"] is True
+    assert settings["preemption_signals"] == "SIGUSR2,SIGTERM"
+    assert worker_variables(config)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "120"
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"preemption_signals": "SIGKILL"}, "preemption_signals: 'SIGKILL' is not a signal"),
+        ({"termination_grace_period": -1}, "termination_grace_period must be >= 0 seconds"),
+    ],
+)
+def test_bad_preemption_keys_are_config_errors(values: dict[str, Any], message: str):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"num_processes": 2, **values})

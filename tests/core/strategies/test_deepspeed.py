@@ -125,6 +125,19 @@ def _save_resume(folder: str, phase: str) -> dict:
     return {"full": {k: v.clone() for k, v in full.items()}, "outputs": outputs, "steps": acc.step}
 
 
+def _resume_on_one(folder: str) -> str:
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(_data(), batch_size=2, shuffle=True)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    try:
+        acc.load_state(folder)
+    except Exception as error:
+        return str(error)
+    return "loaded"
+
+
 def test_save_state_resumes_identically_and_weights_consolidate(tmp_path):
     folder = str(tmp_path / "ckpt")
     straight = run_distributed(_save_resume, folder, "save", timeout=240)[0]
@@ -143,6 +156,9 @@ def test_save_state_resumes_identically_and_weights_consolidate(tmp_path):
     fp32 = load_weights(str(merged))
     assert fp32.keys() == saved.keys()
     assert all(torch.equal(fp32[k], saved[k]) for k in saved), "merge-weights == get_state_dict"
+    # A ZeRO checkpoint loads only on the number of processes that saved it: said clearly.
+    message = run_distributed(_resume_on_one, folder, world_size=1, timeout=240)[0]
+    assert "was saved by 2 processes" in message and "this job has 1" in message
 
 
 def _saved_outputs(folder: str) -> torch.Tensor:
