@@ -430,6 +430,14 @@ class Accelerator(
         state = self.state.data_parallel
         loader = self.active_loaders.innermost
         has_tensors = bool(tensor_leaves(input_data))
+        rows = loader.real_rows if loader is not None and loader.dispatch is None else None
+        if rows is not None:
+            # A stream read in parts: this process's batch was completed with repeats.
+            if use_gather_object or not has_tensors:
+                return collectives.gather_object(list(input_data)[:rows], state=state)
+            return collectives.gather_uneven(
+                map_tensors(lambda t: t[:rows], input_data), state=state
+            )
         if use_gather_object or not has_tensors:
             gathered: Any = collectives.gather_object(input_data, state=state)
         elif loader is not None and loader.end_of_dataloader and loader.uneven_tail:

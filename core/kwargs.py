@@ -58,11 +58,15 @@ class DataLoaderConfiguration:
     batch of the script's size. ``even_batches``: complete the final global batch with
     samples from the start so every process takes the same number of steps.
     ``non_blocking``: asynchronous host-to-device copies (with pinned memory).
+    ``dispatch_batches``: for an ``IterableDataset`` that cannot shard itself, the main
+    process reads each global batch and sends every process its slice (instead of every
+    process reading the whole stream).
     """
 
     split_batches: bool = False
     even_batches: bool = True
     non_blocking: bool = False
+    dispatch_batches: bool | None = None
 
 
 @dataclass

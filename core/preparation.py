@@ -213,6 +213,7 @@ class PreparationMixin:
             device_placement=placement,
             non_blocking=self.dataloader_config.non_blocking,
             active_loaders=self.active_loaders,
+            dispatch_batches=self.dataloader_config.dispatch_batches,
         )
         self._dataloaders.append(prepared)
         return prepared

@@ -20,51 +20,20 @@ Example::
 
 from __future__ import annotations
 
-import inspect
+import collections
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader
 
 from ..active_loaders import ActiveLoaders
 from ..state import ProcessState
 from ..tree import send_to_device
 from .iterable import IterableDatasetShard
-from .samplers import SeedableRandomSampler, ShardedBatchSampler, SkipBatchSampler
-
-# DataLoader constructor arguments copied from the user's loader when rebuilding it.
-_COPIED_ARGUMENTS = (
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "generator",
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory_device",
-    "in_order",
-)
-
-
-class DataLoaderPreparationError(ValueError):
-    """A DataLoader cannot be sharded as configured."""
-
-
-def _copied_arguments(loader: DataLoader[Any]) -> dict[str, Any]:
-    accepted = inspect.signature(DataLoader.__init__).parameters
-    kwargs = {
-        name: getattr(loader, name)
-        for name in _COPIED_ARGUMENTS
-        if name in accepted and hasattr(loader, name)
-    }
-    if not kwargs.get("num_workers"):
-        kwargs.pop("prefetch_factor", None)
-        kwargs["persistent_workers"] = False
-    return kwargs
+from .samplers import SeedableRandomSampler, ShardedBatchSampler
+from .streaming import SelfShardedStream
 
 
 class PreparedDataLoader(DataLoader[Any]):
@@ -79,9 +48,16 @@ class PreparedDataLoader(DataLoader[Any]):
         shard: ShardedBatchSampler | IterableDatasetShard | None,
         active_loaders: ActiveLoaders | None = None,
         non_blocking: bool = False,
+        dispatch: Dispatch | None = None,
         **loader_kwargs: Any,
     ) -> None:
         super().__init__(dataset, **loader_kwargs)
+        #: With ``dispatch_batches``: how the main process's global batches are shared.
+        self.dispatch = dispatch
+        #: Real rows of the batch just yielded: this process's (a stream that shards
+        #: itself) or the global batch's (dispatched); ``None`` when all are real.
+        self.real_rows: int | None = None
+        self._dispatched_real: int | None = None
         self.state = state
         self.device = torch.device(device) if device is not None else None
         self.shard = shard
@@ -153,15 +129,19 @@ class PreparedDataLoader(DataLoader[Any]):
 
         ``None`` when the final global batch is complete (nothing to drop) or unknown.
         """
-        if not self.end_of_dataloader or self.shard is None:
+        if not self.end_of_dataloader:
             return None
-        return self.shard.final_real_samples
+        if self.dispatch is not None:
+            return self._dispatched_real
+        return self.shard.final_real_samples if self.shard is not None else None
 
     @property
     def uneven_tail(self) -> bool:
         """True when the final batch sizes may differ across ranks (``even_batches=False``)."""
         if isinstance(self.shard, ShardedBatchSampler):
             return self.shard.uneven_tail
+        if self.dispatch is not None:
+            return not self.dispatch.even_batches and self._dispatched_real is not None
         if isinstance(self.shard, IterableDatasetShard):
             return not self.shard.even_batches and self.shard.final_real_samples is not None
         return False
@@ -178,6 +158,8 @@ class PreparedDataLoader(DataLoader[Any]):
     @property
     def total_batch_size(self) -> int | None:
         """Samples per optimizer step over all processes."""
+        if self.dispatch is not None:
+            return self.dispatch.per_process * self.state.data_parallel_size
         if isinstance(self.shard, IterableDatasetShard):
             return self.shard.global_batch_size
         size = getattr(self.shard, "batch_size", None) or self.batch_size
@@ -212,7 +194,7 @@ class PreparedDataLoader(DataLoader[Any]):
         # Starting an iterator draws a worker seed from torch's RNG. When resuming mid-epoch
         # that draw already happened before the checkpoint, so undo it to stay bitwise exact.
         resumed_rng = torch.get_rng_state() if pending_skip or iterable_skip else None
-        batches: Iterator[Any] = super().__iter__()
+        batches: Iterator[Any] = self._batches()
         if resumed_rng is not None:
             torch.set_rng_state(resumed_rng)
         length = self._pass_length()
@@ -223,6 +205,8 @@ class PreparedDataLoader(DataLoader[Any]):
             for _ in range(iterable_skip):
                 if next(batches, _EXHAUSTED) is _EXHAUSTED:
                     break
+                if self._notes:
+                    self._notes.popleft()
                 self.batches_yielded += 1
             before_batch = self.active_loaders.before_batch
             if before_batch is not None:
@@ -239,11 +223,15 @@ class PreparedDataLoader(DataLoader[Any]):
                     position["end_of_dataloader"] = yielded >= length
                     yield self._place(batch)
             else:
+                notes = self._notes
                 current = next(batches, _EXHAUSTED)
                 while current is not _EXHAUSTED:
+                    note = notes.popleft() if notes else None  # before the look-ahead's
                     upcoming = next(batches, _EXHAUSTED)
                     position["end_of_dataloader"] = upcoming is _EXHAUSTED
                     position["batches_yielded"] += 1
+                    if note is not None:
+                        self._take_note(note)
                     yield self._place(current)
                     current = upcoming
             self._epoch += 1
@@ -252,6 +240,47 @@ class PreparedDataLoader(DataLoader[Any]):
             self.active_loaders.pop(self)
         if self.active_loaders.on_pass_end is not None:
             self.active_loaders.on_pass_end(self)
+
+    # -- streams that shard themselves, and dispatched batches -------------------------------
+    @property
+    def _notes(self) -> collections.deque[tuple[str, int | None]]:
+        """Per-batch facts the batch source records, in the order of its batches."""
+        return self.__dict__.setdefault("_batch_notes", collections.deque())
+
+    def _take_note(self, note: tuple[str, int | None]) -> None:
+        kind, real = note
+        if kind == "rows":
+            self.real_rows = real
+        else:
+            self._dispatched_real = real
+
+    def _batches(self) -> Iterator[Any]:
+        """The underlying batches: read here, or received from the main process."""
+        self._notes.clear()
+        self.real_rows = self._dispatched_real = None
+        if self.dispatch is None:
+            batches = super().__iter__()
+            if isinstance(self.shard, SelfShardedStream):
+                return _noted(batches, self.shard.real_rows, self._notes)
+            return batches
+        from .dispatch import dispatched_batches
+
+        view = self.state.data_parallel
+        source = super().__iter__() if view.process_index == 0 else None  # only it reads
+        return self._note_dispatched(
+            dispatched_batches(
+                source,
+                view,
+                per_process=self.dispatch.per_process,
+                even_batches=self.dispatch.even_batches,
+                drop_last=self.dispatch.drop_last,
+            )
+        )
+
+    def _note_dispatched(self, batches: Iterator[tuple[Any, int | None, bool]]) -> Iterator[Any]:
+        for batch, real, _ in batches:
+            self._notes.append(("global", real))
+            yield batch
 
     def _place(self, batch: Any) -> Any:
         if self.device is None:
@@ -316,6 +345,26 @@ class PreparedDataLoader(DataLoader[Any]):
 _EXHAUSTED = object()
 
 
+@dataclass(frozen=True)
+class Dispatch:
+    """How the main process's global batches are shared (``dispatch_batches``)."""
+
+    per_process: int
+    even_batches: bool = True
+    drop_last: bool = False
+
+
+def _noted(
+    batches: Iterator[Any],
+    real_rows: collections.deque[int | None],
+    notes: collections.deque[tuple[str, int | None]],
+) -> Iterator[Any]:
+    """Pass on each batch of a self-sharding stream with a note of its real rows."""
+    for batch in batches:
+        notes.append(("rows", real_rows.popleft() if real_rows else None))
+        yield batch
+
+
 def _checked(batches: Iterator[Any], before: Callable[[], None]) -> Iterator[Any]:
     """``batches``, calling ``before()`` before fetching each one (so a checkpoint taken
     there records the position, and random state, of a step boundary)."""
@@ -325,146 +374,3 @@ def _checked(batches: Iterator[Any], before: Callable[[], None]) -> Iterator[Any
         if batch is _EXHAUSTED:
             return
         yield batch
-
-
-def _agreed_seed(generator: torch.Generator | None, state: ProcessState) -> int:
-    """A shuffle seed drawn on every rank (same RNG use everywhere), rank 0's value kept."""
-    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    if state.num_processes > 1:
-        from ..collectives import broadcast
-
-        value = torch.tensor([seed], dtype=torch.int64, device=state.device)
-        seed = int(broadcast(value, from_process=0, state=state).item())
-    return seed
-
-
-def _seeded_batch_sampler(loader: DataLoader[Any], state: ProcessState) -> Any:
-    """The loader's batch sampler, shuffling alike on every rank: a RandomSampler is
-    replaced by a seeded one, other samplers get a seeded generator."""
-    batch_sampler = loader.batch_sampler
-    sampler = getattr(batch_sampler, "sampler", None)
-    if type(batch_sampler) is BatchSampler and type(sampler) is RandomSampler:
-        seeded = SeedableRandomSampler(
-            len(sampler.data_source),
-            _agreed_seed(sampler.generator, state),
-            replacement=sampler.replacement,
-            num_samples=sampler.num_samples,
-        )
-        return BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
-    for owner in (sampler, batch_sampler):
-        if owner is not None and hasattr(owner, "generator") and owner.generator is None:
-            # A sampler that would draw from the global RNG (WeightedRandomSampler,
-            # SubsetRandomSampler, a RandomSampler inside a custom batch sampler, ...) gets
-            # its own generator, seeded alike everywhere; _synchronise_generators keeps it in
-            # step every pass, and checkpoints save its state.
-            generator = torch.Generator()
-            generator.manual_seed(_agreed_seed(None, state))
-            owner.generator = generator
-    return batch_sampler
-
-
-def prepare_data_loader(
-    loader: DataLoader[Any],
-    *,
-    state: ProcessState,
-    split_batches: bool = False,
-    even_batches: bool = True,
-    device_placement: bool = True,
-    non_blocking: bool = False,
-    active_loaders: ActiveLoaders | None = None,
-) -> PreparedDataLoader:
-    """Rebuild ``loader`` so this process gets its shard of every global batch.
-
-    Without ``split_batches`` each process loads batches of the script's size (the global
-    batch grows with the number of processes); with it each batch is split across processes.
-    Under a parallel layout only the data-parallel coordinates count: the processes of one
-    tensor-, context- or pipeline-parallel group receive the same samples.
-    """
-    if isinstance(loader, PreparedDataLoader):
-        raise DataLoaderPreparationError(
-            "this DataLoader was already prepared; pass the original DataLoader to prepare()"
-        )
-    kwargs = _copied_arguments(loader)
-    device = state.device if device_placement else None
-    common: dict[str, Any] = {
-        "state": state,
-        "device": device,
-        "active_loaders": active_loaders,
-        "non_blocking": non_blocking,
-    }
-    dataset = loader.dataset
-    if isinstance(dataset, IterableDataset):
-        if loader.batch_size is None:
-            raise DataLoaderPreparationError(
-                "cannot shard a DataLoader over an IterableDataset with batch_size=None; "
-                "create the DataLoader with batch_size=N so slipstream can split batches"
-            )
-        if loader.num_workers > 0 and state.data_parallel_size > 1:
-            raise DataLoaderPreparationError(
-                f"cannot shard an IterableDataset read by worker processes (num_workers="
-                f"{loader.num_workers}): each worker would pad and split the stream on its own, "
-                "duplicating samples. Use num_workers=0, or a map-style Dataset with workers"
-            )
-        shard = IterableDatasetShard(
-            dataset,
-            batch_size=loader.batch_size,
-            num_processes=state.data_parallel_size,
-            process_index=state.data_parallel_index,
-            split_batches=split_batches,
-            even_batches=even_batches,
-            drop_last=loader.drop_last,
-        )
-        per_process = shard.per_process
-        return PreparedDataLoader(
-            shard,
-            shard=shard,
-            batch_size=per_process,
-            drop_last=False,
-            **common,
-            **kwargs,
-        )
-    if loader.batch_sampler is None:
-        raise DataLoaderPreparationError(
-            "cannot shard a DataLoader created with batch_size=None and no batch_sampler; "
-            "create it with batch_size=N (or pass batch_sampler=...) so slipstream can give "
-            "each process whole batches"
-        )
-    index_sampler = getattr(loader.batch_sampler, "sampler", None)
-    if isinstance(index_sampler, DistributedSampler):
-        raise DataLoaderPreparationError(
-            "this DataLoader already uses a DistributedSampler; slipstream shards data itself: "
-            "build the DataLoader with shuffle=True/False (or your own sampler) instead"
-        )
-    sharded = ShardedBatchSampler(
-        _seeded_batch_sampler(loader, state),
-        num_processes=state.data_parallel_size,
-        process_index=state.data_parallel_index,
-        split_batches=split_batches,
-        even_batches=even_batches,
-    )
-    return PreparedDataLoader(dataset, shard=sharded, batch_sampler=sharded, **common, **kwargs)
-
-
-def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[Any]:
-    """A loader whose next pass starts after ``num_batches`` batches (for mid-epoch resume).
-
-    A prepared loader is returned itself, set to skip on its next pass only; later passes are
-    complete. Skipped batches of map-style datasets are never loaded.
-    """
-    if isinstance(loader, PreparedDataLoader):
-        loader.skip_next_pass(num_batches)
-        return loader
-    if loader.batch_sampler is None:
-        raise DataLoaderPreparationError(
-            "skip_first_batches needs a DataLoader with batch_size=N or a batch_sampler"
-        )
-    if isinstance(loader.dataset, IterableDataset):
-        raise DataLoaderPreparationError(
-            "skip_first_batches on an unprepared IterableDataset loader is not supported; "
-            "prepare() the DataLoader first"
-        )
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches),
-        **_copied_arguments(loader),
-    )
