@@ -219,6 +219,12 @@ def spawner_pid() -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
+def provide_local_rank() -> None:
+    """Set ``LOCAL_RANK=0`` for a single process started without a launcher: DeepSpeed
+    reads it from the environment and refuses to start without it."""
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
 def slurm_job_id() -> str | None:
     """The SLURM job this process belongs to, if any (for requeueing it)."""
     return os.environ.get("SLURM_JOB_ID") or None

@@ -137,6 +137,13 @@ class ProcessState:
             if launch.world_size == 1:
                 local_rank, local_world = rank, world
         device = select_device(local_rank, world, cpu)
+        if device.type == "cuda" and local_world > torch.cuda.device_count():
+            raise ProcessStateError(
+                f"{local_world} processes on this machine share {torch.cuda.device_count()} "
+                "GPU(s), but each process needs a GPU of its own (NCCL refuses to share one): "
+                f"start at most {torch.cuda.device_count()} processes per machine, or run on "
+                "the CPU (slipstream launch --cpu, or Accelerator(cpu=True))"
+            )
         if world > 1 and not dist.is_initialized():
             if not dist.is_available():
                 raise ProcessStateError(

@@ -12,6 +12,13 @@ from tests.distributed import REPO, s3_server
 # keep the build between test runs.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
 
+# The suite is written for the CPU (its tensors, tolerances and gloo process groups): on a
+# GPU machine it hides the GPUs, so the whole suite runs there too. SLIPSTREAM_TEST_CUDA=1
+# shows them (the CUDA tests, which skip otherwise; benchmarks/gpu_check.py covers the
+# CUDA paths in one run).
+if os.environ.get("SLIPSTREAM_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 @pytest.fixture(autouse=True)
 def _fresh_process_state() -> Iterator[None]:

@@ -1,6 +1,10 @@
 """Shared helpers for real multi-process tests: processes on CPU over gloo, bound to
 127.0.0.1 on a free port, with a timeout so a hang fails the test instead of the suite.
 
+Processes these helpers start see no GPU unless the test's ``env`` names the GPUs itself
+(``env={"CUDA_VISIBLE_DEVICES": "0,1"}``): on a machine with one GPU two ranks would both
+take cuda:0 and NCCL would refuse them, so the suite chooses the CPU explicitly.
+
 Example::
 
     def _body(scale):                       # module level, so spawned processes import it
@@ -29,6 +33,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT = 120.0
+#: The variable that chooses the GPUs a process sees (CUDA's own).
+GPU_VARIABLE = "CUDA_VISIBLE_DEVICES"
+
+
+def device_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The device choice for a process a test starts: no GPU, unless ``env`` (the test's
+    own variables) names the GPUs."""
+    if env is not None and GPU_VARIABLE in env:
+        return {}
+    return {GPU_VARIABLE: ""}
 
 
 def free_port() -> int:
@@ -83,7 +97,8 @@ def run_distributed(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes forming one gloo group.
 
     Returns the per-rank return values (index = rank). The first failing rank's traceback
-    fails the test at once (the other ranks are stopped); so does the timeout.
+    fails the test at once (the other ranks are stopped); so does the timeout. The processes
+    see no GPU unless ``env`` sets ``CUDA_VISIBLE_DEVICES`` (then one GPU per rank, NCCL).
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -98,6 +113,7 @@ def run_distributed(
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
             "OMP_NUM_THREADS": "1",
+            **device_environment(env),
             **(env or {}),
         }
         with _environment(variables):
@@ -156,10 +172,14 @@ def run_python(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run this interpreter with ``arguments``; a hang fails after ``timeout`` seconds."""
+    """Run this interpreter with ``arguments``; a hang fails after ``timeout`` seconds.
+
+    Like :func:`run_distributed`'s processes (and the launchers and workers they start),
+    it sees no GPU unless ``env`` sets ``CUDA_VISIBLE_DEVICES``."""
     variables = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         variables.pop(key, None)
+    variables.update(device_environment(env))
     variables.update(env or {})
     return subprocess.run(
         [sys.executable, *arguments],

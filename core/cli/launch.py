@@ -318,7 +318,26 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
             raise file_error from None
         raise
     _check_strategy_available(config)
+    _check_gpus(config)
     return config, notes + more
+
+
+def _check_gpus(config: LaunchConfig) -> None:
+    """More processes per machine than GPUs cannot work on GPUs (one GPU per process)."""
+    if config.use_cpu:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if config.gpu_ids not in ("all", ""):
+        gpus = min(gpus, len([g for g in config.gpu_ids.split(",") if g.strip()]))
+    per_machine = config.num_processes // config.num_machines
+    if gpus and per_machine > gpus:
+        raise ConfigError(
+            f"num_processes={config.num_processes} puts {per_machine} processes on each "
+            f"machine, but this one has {gpus} GPU(s) and each process needs its own: use "
+            f"--num_processes {gpus * config.num_machines}, or --cpu to train on the CPU"
+        )
 
 
 def _check_strategy_available(config: LaunchConfig) -> None:

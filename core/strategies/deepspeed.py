@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ..env import provide_local_rank
 from ..state import DistributedType, ProcessState
 from .base import Strategy
 from .deepspeed_plugin import DeepSpeedConfigError, DeepSpeedPlugin, DummyOptim, DummyScheduler
@@ -69,6 +70,8 @@ class DeepSpeedStrategy(Strategy):
                 f"DeepSpeed supports mixed_precision no, bf16 or fp16, not {mixed_precision!r}"
             )
         backend = "nccl" if state.device.type == "cuda" else "gloo"
+        if state.num_processes == 1:
+            provide_local_rank()  # `python train.py`: no launcher set it
         if not torch.distributed.is_initialized():
             torch.distributed.init_process_group(
                 backend, store=torch.distributed.HashStore(), rank=0, world_size=1

@@ -19,7 +19,7 @@ pytest.importorskip("deepspeed")
 from slipstream import Accelerator, DeepSpeedPlugin, DummyOptim, DummyScheduler, set_seed
 from slipstream.checkpoint import load_weights
 from slipstream.strategies.deepspeed_plugin import DeepSpeedConfigError
-from tests.distributed import run_cli, run_distributed
+from tests.distributed import run_cli, run_distributed, run_python
 
 SAMPLES = 32
 
@@ -310,3 +310,19 @@ def _zero_init() -> dict:
 def test_zero3_init_never_materialises_the_whole_model():
     r0 = run_distributed(_zero_init, timeout=240)[0]
     assert r0["full"] == 64 * 64 and r0["local"] < r0["full"]
+
+
+def test_one_process_started_by_plain_python():
+    code = (
+        "import torch\n"
+        "from slipstream import Accelerator, DeepSpeedPlugin\n"
+        "acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=1.0))\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "acc.backward(model(torch.randn(2, 4)).sum())\n"
+        "opt.step()\n"
+        "print('trained', acc.distributed_type.value)\n"
+    )
+    result = run_python("-c", code, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "trained DEEPSPEED" in result.stdout
