@@ -26,10 +26,14 @@ gradient its input gradient), with no time for communication:
   when only the real costs are unequal (a backward takes about twice a forward, the first
   stage's backward computes no input gradient, the last stage adds the loss).
 
-The difference between the measured idle fraction and "ideal here" is what the pipeline
-machinery adds: point-to-point transfers, the schedule's Python between actions, and the
-processes' scheduling on shared cores. The part of the step spent blocked in the schedule's
-point-to-point waits is reported too.
+What the measured idle fraction holds beyond "ideal here" is what the pipeline machinery
+adds. Part of the idle time is **waiting on other stages**: blocked in the schedule's
+point-to-point waits before the process's last action, and everything after that action
+(the loss handed to every process, the closing barrier) — the bubble itself, transfer
+latency and the other stages' delays. The rest is the process's own time between actions:
+the schedule's Python, posting sends and receives, splitting the batch. The printed ratio is
+the step against the step theory allows for the same compute, (1 - theory) / (1 - idle):
+1.00 would be a pipeline that loses nothing but its schedule's bubble.
 
 On 2 processes on the 2-core machine each process has a core of its own (OMP_NUM_THREADS=1)
 and these are the headline figures. With 4 processes on 2 cores, whenever more than two
@@ -68,7 +72,7 @@ SCHEDULES = (
 # them into equal stages, so theory's equal-stage assumption holds.
 WIDTH, BLOCKS = 256, 8
 # Samples per micro-batch, the same for every m: each action costs the same whatever m is.
-MICRO_BATCH = 16
+MICRO_BATCH = 64
 # (processes, micro-batches) -> (rounds, timed steps per schedule and round)
 CASES = {(2, 4): (4, 3), (2, 8): (4, 2), (4, 8): (3, 2)}
 WARMUP_STEPS = 1

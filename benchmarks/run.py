@@ -1,7 +1,7 @@
 """Run every benchmark and write a report: a table on stdout, ``results/report.md`` and a
 chart of the ratios against their targets, ``results/ratios.png``.
 
-    python benchmarks/run.py            # full sizes (about 13 minutes on 2 cores)
+    python benchmarks/run.py            # full sizes (about 17 minutes on 2 cores)
     python benchmarks/run.py --quick    # smoke test of every script
 """
 
@@ -29,6 +29,7 @@ SCRIPTS = [
     "tp_memory.py",
     "pp_memory.py",
     "sharded_save.py",
+    "stream_reads.py",
 ]
 # (script, pattern in one of its result lines, target ratio: at most) — from the performance
 # and N-D parallelism issues. Patterns only apply to their own script's lines: "slipstream
@@ -54,6 +55,9 @@ TARGETS = [
     ("pp_memory.py", r"\bpp2 vs single per-process tensors", 0.60),
     ("pp_memory.py", r"\bpp4 vs single per-process tensors", 0.35),
     ("sharded_save.py", r"sharded vs full", 1.0),
+    # Streams read in parts, or by the main process alone: each sample read once in total.
+    ("stream_reads.py", r"^sharded", 1.0),
+    ("stream_reads.py", r"^dispatched", 1.0),
 ]
 RATIO = re.compile(r"ratio ([0-9.]+)x")
 

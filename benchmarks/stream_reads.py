@@ -105,7 +105,7 @@ def main() -> None:
             ratio = sum(reads) / total
             print(
                 f"{result['mode']:<10} on {processes} processes: samples read per process "
-                f"{reads} of {total}; read amplification {ratio:.2f}x; every sample once: "
+                f"{reads} of {total}; read amplification ratio {ratio:.2f}x; every sample once: "
                 f"{'yes' if result['exact'] else 'NO'}"
             )
 

@@ -9,10 +9,18 @@ import argparse
 import sys
 
 from ..config import ConfigError
-from . import check, configure, environment, estimate_memory, merge_weights
+from . import check, configure, environment, estimate_memory, merge_weights, migrate
 from . import launch as launch_command
 
-_COMMANDS = [configure, launch_command, environment, check, merge_weights, estimate_memory]
+_COMMANDS = [
+    configure,
+    launch_command,
+    environment,
+    check,
+    merge_weights,
+    estimate_memory,
+    migrate,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

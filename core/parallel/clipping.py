@@ -75,13 +75,18 @@ def _reduce(
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return total.float()
     if norms:
-        weights = torch.tensor([1.0 / c for c in copies], dtype=torch.float64, device=device)
-        total = (torch.stack(norms).double() ** norm_type * weights).sum()
+        stacked = torch.stack(norms).double()
+        powers = stacked.square() if norm_type == 2.0 else stacked**norm_type
+        if len(set(copies)) == 1:  # the common case: one division, no weights tensor
+            total = powers.sum() / copies[0] if copies[0] != 1 else powers.sum()
+        else:
+            weights = torch.tensor([1.0 / c for c in copies], dtype=torch.float64, device=device)
+            total = (powers * weights).sum()
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(total, group=group)
-    return (total ** (1.0 / norm_type)).float()
+    return (total.sqrt() if norm_type == 2.0 else total ** (1.0 / norm_type)).float()
 
 
 def total_norm(

@@ -157,7 +157,8 @@ class ParallelismConfig:
         pp_balance: ``"parameters"`` (default: equal parameter counts per stage) or
             ``"count"`` (equal numbers of blocks).
         cp_backend: ``"torch"`` (the only one; accepted for Accelerate compatibility).
-        tp_handler / cp_handler: Accelerate's option objects.
+        tp_handler: Accelerate's tensor-parallel options (:class:`TorchTensorParallelConfig`).
+        cp_handler: Accelerate's context-parallel options (:class:`TorchContextParallelConfig`).
 
     A size left unset is 1. If no size is given at all, every process is a data-parallel
     replica (like Accelerate). One size may be ``-1``: it takes what the others leave.
