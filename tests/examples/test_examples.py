@@ -154,3 +154,19 @@ def test_pipeline_example_is_the_same_script_with_and_without_a_pipeline(tmp_pat
     single = [line for line in alone.stdout.splitlines() if line.startswith("epoch 0")]
     assert epoch and epoch[0].replace("(2 processes)", "") == single[0].replace("(1 processes)", "")
     assert (tmp_path / "w" / "model.safetensors").exists()
+
+
+def test_big_model_inference_example_on_two_processes(tmp_path: Path):
+    pytest.importorskip("transformers")
+    result = run_cli(
+        "launch", "-n", "2", "--cpu", example("big_model_inference.py"), "--quick", "--check",
+        "--checkpoint", str(tmp_path / "llama"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "answers equal the in-memory model's" in result.stdout
+    assert "5 answers from 2 processes" in result.stdout
+    assert "the rest on disk" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "llama", "llama-offload-0", "llama-offload-1",
+    ]  # fmt: skip
+    assert [p.name for p in (tmp_path / "llama-offload-0").iterdir()] == ["index.json"]
