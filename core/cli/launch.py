@@ -173,6 +173,9 @@ def register(subparsers: Any) -> None:
         "launch",
         help="run a training script on several processes / machines",
         description="Run a training script on every process of a job (built on torchrun).",
+        # A script's own flag (--save) must never be read as an abbreviation of ours
+        # (--save_on_preemption): everything after the script belongs to the script.
+        allow_abbrev=False,
     )
     parser.set_defaults(run=run)
     _option(parser, "config_file", help="YAML config (default: the one `slipstream config` wrote)")

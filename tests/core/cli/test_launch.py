@@ -83,6 +83,15 @@ def test_flags_fill_the_block_and_both_spellings_work():
     assert config.distributed_type == "MULTI_CPU"
 
 
+def test_the_scripts_own_flags_are_never_read_as_abbreviations_of_the_launchers():
+    # --save is a prefix of --save_on_preemption (and --n of --num_processes / --no_python).
+    args = build_parser().parse_args(
+        ["launch", "-n", "2", "train.py", "--save", "w.pt", "--n", "3", "--debug"]
+    )
+    assert args.training_script_args == ["--save", "w.pt", "--n", "3", "--debug"]
+    assert args.save_on_preemption is None and args.num_processes == 2 and args.debug is None
+
+
 def test_use_parallelism_config_alone_asks_for_nothing():
     config, _ = resolve_config(parse("-n", "2", "--cpu", "--use_parallelism_config"))
     assert config.parallelism_config == {} and config.parallel_layout() is None
