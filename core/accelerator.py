@@ -26,17 +26,24 @@ import torch
 from torch import nn
 
 from . import collectives
+from .accelerator_setup import (
+    STRATEGY_FOR_TYPE,
+    build_dynamo_plugin,
+    build_step_state,
+    build_strategy,
+    join_or_build_state,
+)
 from .active_loaders import ActiveLoaders
 from .callbacks import CallbackRunner
 from .checkpoint.api import CheckpointingMixin
-from .compile import check_backend, normalise_backend
 from .kwargs import (
     AutocastKwargs,
     DataLoaderConfiguration,
-    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
@@ -47,19 +54,15 @@ from .precision import Precision, canonical_mode, make_precision, restore_forwar
 from .preemption import DEFAULT_SIGNALS, PreemptionHandler
 from .preparation import PreparationMixin
 from .process_control import ProcessControl
+from .profiling import ProfilingMixin
+from .run_info import RunInfoMixin
 from .scheduler import AcceleratedScheduler
 from .state import (
     DistributedType,
-    ProcessState,
-    current_state,
-    has_current_state,
-    set_current_state,
 )
-from .step import StepState
 from .strategies import (
     DeepSpeedPlugin,
     FullyShardedDataParallelPlugin,
-    Strategy,
     available_strategies,
     get_strategy_class,
 )
@@ -67,6 +70,7 @@ from .tracking import GeneralTracker, resolve_log_with
 from .tracking.api import TrackingMixin
 from .training_step import TrainingStepMixin
 from .tree import map_tensors, tensor_leaves
+from .uneven_inputs import UnevenInputsMixin
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -77,16 +81,6 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-# distributed_type values in the launcher's configuration -> strategy registry names.
-_STRATEGY_FOR_TYPE = {
-    "DEEPSPEED": "deepspeed",
-    "FSDP": "fsdp",
-    "MULTI_GPU": "ddp",
-    "MULTI_CPU": "ddp",
-    "NO": None,
-}
-
-
 class Accelerator(
     ProcessControl,
     PreparationMixin,
@@ -94,6 +88,9 @@ class Accelerator(
     CheckpointingMixin,
     TrackingMixin,
     ParallelMixin,
+    RunInfoMixin,
+    ProfilingMixin,
+    UnevenInputsMixin,
 ):
     """Runs one training script on a CPU, several processes, GPUs or machines.
 
@@ -129,6 +126,8 @@ class Accelerator(
             GeneralTracker objects), started by :meth:`init_trackers`.
         callbacks: objects whose hook methods are called during training (see
             :class:`slipstream.Callback`).
+        gradient_accumulation_plugin: a :class:`GradientAccumulationPlugin` (accumulation
+            steps plus when cycles end and whether every micro-batch synchronises).
     """
 
     def __init__(
@@ -154,6 +153,7 @@ class Accelerator(
         parallelism_config: ParallelismConfig | None = None,
         save_on_preemption: bool | None = None,
         preemption_signals: str | Sequence[str] | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
     ) -> None:
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
@@ -164,7 +164,7 @@ class Accelerator(
                 )
         init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         assert isinstance(init_kwargs, InitProcessGroupKwargs)
-        self.state = self._join_or_build_state(cpu, init_kwargs, debug)
+        self.state = join_or_build_state(cpu, init_kwargs, debug)
         launch = dict(self.state.launch.launch_config)
 
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
@@ -175,9 +175,9 @@ class Accelerator(
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
 
-        if gradient_accumulation_steps is None:
-            gradient_accumulation_steps = int(launch.get("gradient_accumulation_steps", 1))
-        self.step_state = StepState(gradient_accumulation_steps=gradient_accumulation_steps)
+        self.step_state = build_step_state(
+            gradient_accumulation_steps, gradient_accumulation_plugin, launch
+        )
         autocast = handlers.get(AutocastKwargs, AutocastKwargs())
         scaler = handlers.get(GradScalerKwargs)
         assert isinstance(autocast, AutocastKwargs)
@@ -198,11 +198,28 @@ class Accelerator(
             scaler_kwargs=scaler.to_kwargs() if scaler is not None else None,
         )
         self.mixed_precision = mode
-        self.dynamo_plugin = self._dynamo_plugin(dynamo_backend, dynamo_plugin, launch)
-        self.strategy = self._build_strategy(
-            strategy_name, launch, handlers, fsdp_plugin, deepspeed_plugin, autocast
+        self.dynamo_plugin = build_dynamo_plugin(dynamo_backend, dynamo_plugin, launch)
+        profile = handlers.get(ProfileKwargs)
+        self.profile_handler = profile if isinstance(profile, ProfileKwargs) else None
+        self.strategy = build_strategy(
+            strategy_name,
+            self.state,
+            launch,
+            handlers,
+            fsdp_plugin=fsdp_plugin,
+            deepspeed_plugin=deepspeed_plugin,
+            autocast=autocast,
+            mixed_precision=self.mixed_precision,
+            parallelism=self.parallelism_config,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            split_batches=self.split_batches,
         )
         self.strategy.step_state = self.step_state
+        if self.step_state.sync_each_batch and self.strategy.name == "deepspeed":
+            raise ValueError(
+                "GradientAccumulationPlugin(sync_each_batch=True) does not apply to DeepSpeed: "
+                "its engine reduces gradients at its own accumulation boundaries. Remove it"
+            )
         self.coordinator = StepCoordinator(
             self.step_state,
             self.precision.scaler,
@@ -228,27 +245,6 @@ class Accelerator(
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}
         self._preemption = self._preemption_handler(save_on_preemption, preemption_signals, launch)
-
-    @staticmethod
-    def _join_or_build_state(
-        cpu: bool | None, init_kwargs: InitProcessGroupKwargs, debug: bool | None
-    ) -> ProcessState:
-        if has_current_state():
-            state = current_state()
-            wants_cpu = bool(cpu) or bool(state.launch.launch_config.get("use_cpu", False))
-            if not wants_cpu or state.device.type == "cpu":
-                if debug is not None:
-                    state.debug = debug
-                return state
-        state = ProcessState.from_environment(
-            cpu=cpu,
-            backend=init_kwargs.backend,
-            timeout=init_kwargs.timeout,
-            init_method=init_kwargs.init_method,
-            debug=debug,
-        )
-        set_current_state(state)
-        return state
 
     def _preemption_handler(
         self,
@@ -290,24 +286,6 @@ class Accelerator(
 
             handler.stop(save=lambda: self.save_state(), finish=finish)
 
-    @staticmethod
-    def _dynamo_plugin(
-        backend: str | None, plugin: TorchDynamoPlugin | None, launch: dict[str, Any]
-    ) -> TorchDynamoPlugin:
-        if plugin is None:
-            dynamo = launch.get("dynamo_config") or {}
-            plugin = TorchDynamoPlugin(
-                backend=str(dynamo.get("dynamo_backend", "no")),
-                mode=dynamo.get("dynamo_mode"),
-                fullgraph=bool(dynamo.get("dynamo_use_fullgraph", False)),
-                dynamic=dynamo.get("dynamo_use_dynamic"),
-            )
-        if backend is not None:
-            plugin.backend = backend
-        plugin.backend = normalise_backend(plugin.backend)
-        check_backend(plugin)
-        return plugin
-
     def _strategy_name(
         self,
         launch: dict[str, Any],
@@ -316,7 +294,7 @@ class Accelerator(
     ) -> str:
         if fsdp_plugin is not None and deepspeed_plugin is not None:
             raise ValueError("pass fsdp_plugin or deepspeed_plugin, not both")
-        requested = _STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
+        requested = STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
         if deepspeed_plugin is not None or (fsdp_plugin is None and requested == "deepspeed"):
             self._check_deepspeed_layout()
             return "deepspeed"
@@ -325,45 +303,6 @@ class Accelerator(
         if fsdp_plugin is not None:
             return "fsdp"
         return requested or ("ddp" if self.state.num_processes > 1 else "single")
-
-    def _build_strategy(
-        self,
-        name: str,
-        launch: dict[str, Any],
-        handlers: dict[type, KwargsHandler],
-        fsdp_plugin: FullyShardedDataParallelPlugin | None,
-        deepspeed_plugin: DeepSpeedPlugin | None,
-        autocast: AutocastKwargs,
-    ) -> Strategy:
-        options: dict[str, Any] = {}
-        if name == "ddp":
-            ddp = handlers.get(DistributedDataParallelKwargs)
-            options = ddp.to_kwargs() if ddp is not None else {}
-        elif name in ("fsdp", "model_parallel"):
-            options = {
-                "plugin": fsdp_plugin
-                or FullyShardedDataParallelPlugin.from_config(launch.get("fsdp_config") or {}),
-                "mixed_precision": self.mixed_precision,
-                "convert_outputs_to_fp32": autocast.convert_outputs_to_fp32,
-            }
-            if name == "model_parallel":
-                options["parallelism"] = self.parallelism_config
-                if fsdp_plugin is None and not launch.get("fsdp_config"):
-                    options["plugin"] = None  # the strategy's defaults (sharded checkpoints)
-        elif name == "deepspeed":
-            options = {
-                "plugin": deepspeed_plugin
-                or DeepSpeedPlugin.from_config(launch.get("deepspeed_config") or {}),
-                "mixed_precision": self.mixed_precision,
-                "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                "split_batches": self.split_batches,
-            }
-        if name not in available_strategies():
-            raise ValueError(
-                f"distributed_type={launch.get('distributed_type')} needs the '{name}' strategy, "
-                "which this version of slipstream does not provide yet"
-            )
-        return get_strategy_class(name)(self.state, **options)
 
     # -- who am I ---------------------------------------------------------------------------
     @property

@@ -10,7 +10,7 @@ name that is not provided with its note; a test keeps the rows complete and true
 Example::
 
     lookup("accelerate", "prepare_pippy")
-    # Row(status='different', note='call the prepared model in eval mode ...')
+    # Row(status='not provided', note='use ParallelismConfig(pp_size=...): ...')
 """
 
 from __future__ import annotations
@@ -28,58 +28,407 @@ class Row:
     note: str = ""
 
 
-def _same(*names: str) -> dict[str, Row]:
-    return {name: Row(SAME) for name in names}
-
-
-def _rows(status: str, note: str, *names: str) -> dict[str, Row]:
-    return {name: Row(status, note) for name in names}
-
+TOP, UTILS, LOGGING, ACCELERATOR = NAMESPACES
+#: Names of the top level that ``accelerate.utils`` has too, with the same row in both.
+_BOTH = (TOP, UTILS)
 
 #: namespace -> name -> row. Filled in per namespace below.
 TABLE: dict[str, dict[str, Row]] = {namespace: {} for namespace in NAMESPACES}
 
-TABLE["accelerate"].update(
-    _same(
-        "Accelerator",
-        "AutocastKwargs",
-        "DataLoaderConfiguration",
-        "DeepSpeedPlugin",
-        "DistributedDataParallelKwargs",
-        "DistributedType",
-        "FullyShardedDataParallelPlugin",
-        "GradScalerKwargs",
-        "InitProcessGroupKwargs",
-        "ParallelismConfig",
-        "find_executable_batch_size",
-        "notebook_launcher",
-        "skip_first_batches",
-    )
-)
-TABLE["accelerate"].update(
-    _rows(
-        DIFFERENT,
-        "pipeline parallelism trains too: call the prepared model in eval mode for inference "
-        "(ParallelismConfig(pp_size=...)), and accelerator.forward_backward to train",
-        "prepare_pippy",
-    )
-)
+
+def _add(namespaces: str | tuple[str, ...], status: str, names: str, note: str = "") -> None:
+    """Give each of the whitespace-separated ``names`` a row in ``namespaces``."""
+    for namespace in (namespaces,) if isinstance(namespaces, str) else namespaces:
+        for name in names.split():
+            if name in TABLE[namespace]:
+                raise ValueError(f"two rows for {name!r} in {namespace}")
+            TABLE[namespace][name] = Row(status, note)
 
 
-TABLE["accelerate.utils"].update(
-    _rows(
-        NOT_PROVIDED,
-        "Megatron-LM is not supported: use ParallelismConfig (tensor, pipeline and context "
-        "parallelism with FSDP2) for the same layouts",
-        "MegatronLMPlugin",
-    )
+def _add_each(namespace: str, status: str, notes: dict[str, str]) -> None:
+    """One row per name of ``notes``, with its note."""
+    for name, note in notes.items():
+        _add(namespace, status, name, note)
+
+
+# -- accelerate (and what accelerate.utils has too) ------------------------------------------
+_KEYWORDS = "pass the arguments by keyword (their order differs)"
+_add(
+    TOP,
+    SAME,
+    """PartialState cpu_offload cpu_offload_with_hook debug_launcher disk_offload dispatch_model
+    init_empty_weights init_on_device""",
 )
-TABLE["Accelerator"].update(
-    _rows(
-        NOT_PROVIDED,
-        "LOMO optimizers are not supported: use a torch optimizer with accelerator.backward",
-        "lomo_backward",
-    )
+_add(
+    _BOTH,
+    SAME,
+    """AutocastKwargs DDPCommunicationHookType DistributedDataParallelKwargs GradScalerKwargs
+    InitProcessGroupKwargs ProfileKwargs is_rich_available synchronize_rng_states""",
+)
+_add(
+    TOP,
+    DIFFERENT,
+    "Accelerator",
+    "the keywords are Accelerate's except torch_tp_plugin (use parallelism_config="
+    "ParallelismConfig(tp_size=...)), megatron_lm_plugin (Megatron-LM is not supported), "
+    "rng_types (samplers are seeded: nothing else needs synchronising) and deepspeed_plugins "
+    "(one DeepSpeedPlugin per Accelerator); adds even_batches, debug, callbacks, "
+    "save_on_preemption and preemption_signals; " + _KEYWORDS,
+)
+_add(_BOTH, DIFFERENT, "DataLoaderConfiguration", _KEYWORDS)
+_add(
+    _BOTH,
+    DIFFERENT,
+    "DeepSpeedPlugin",
+    "no is_train_batch_min, transformer_moe_cls_names, enable_msamp or msamp_opt_level; "
+    + _KEYWORDS,
+)
+_add(
+    _BOTH,
+    DIFFERENT,
+    "DistributedType",
+    "members NO, MULTI_CPU, MULTI_GPU, DEEPSPEED and FSDP only: slipstream runs on CPUs and "
+    "CUDA GPUs",
+)
+_add(
+    _BOTH,
+    DIFFERENT,
+    "FullyShardedDataParallelPlugin",
+    "FSDP2 (fully_shard) only: no sharding_strategy, backward_prefetch, ignored_modules, "
+    "state_dict_config, optim_state_dict_config, limit_all_gathers, use_orig_params, "
+    "param_init_fn, sync_module_states, forward_prefetch, activation_checkpointing_offload or "
+    "cpu_ram_efficient_loading; " + _KEYWORDS,
+)
+_add(
+    _BOTH,
+    DIFFERENT,
+    "ParallelismConfig",
+    "no sequence parallelism (sp_size, sp_backend, sp_handler): use cp_size (context "
+    "parallelism); adds pipeline parallelism (pp_size, pp_schedule, ...) and tp_plan; " + _KEYWORDS,
+)
+_add(
+    _BOTH,
+    DIFFERENT,
+    "find_executable_batch_size",
+    "no reduce_batch_size_fn: the batch size is halved after each out-of-memory error",
+)
+_add(
+    _BOTH,
+    DIFFERENT,
+    "infer_auto_device_map",
+    "no fallback_allocation: a block that fits nowhere is an error naming the budget to raise",
+)
+_LOAD_CHECKPOINT = (
+    "strict by default, local files only, no .dat offload folders; no keep_in_fp32_modules, "
+    "offload_8bit_bnb, full_state_dict or broadcast_from_rank0"
+)
+_add(TOP, DIFFERENT, "load_checkpoint_and_dispatch", _LOAD_CHECKPOINT)
+_add(_BOTH, DIFFERENT, "load_checkpoint_in_model", _LOAD_CHECKPOINT)
+_add(
+    TOP,
+    DIFFERENT,
+    "notebook_launcher",
+    "one machine only: no use_port, master_addr, node_rank, num_nodes, rdzv_* or "
+    "log_line_prefix_template (a free port is chosen); use_cpu, max_restarts and start_method "
+    "are arguments 5 to 7",
+)
+_add(
+    TOP,
+    NOT_PROVIDED,
+    "prepare_pippy",
+    "use ParallelismConfig(pp_size=...): prepare splits the model into pipeline stages, "
+    "which run inference in eval mode and train with accelerator.forward_backward",
+)
+_add(TOP, NOT_PROVIDED, "rich", "no rich traceback handler is installed: rich.traceback.install()")
+_add(
+    TOP,
+    DIFFERENT,
+    "skip_first_batches",
+    "the first argument is named loader, and num_batches has no default",
+)
+
+_ULYSSES = (
+    "DeepSpeed Ulysses sequence parallelism is not supported: use context parallelism "
+    "(ParallelismConfig(cp_size=...))"
+)
+
+# -- accelerate.utils ------------------------------------------------------------------------
+_add(
+    UTILS,
+    SAME,
+    """ComputeEnvironment DummyOptim DynamoBackend GradientAccumulationPlugin
+    KwargsHandler OffloadedWeightsLoader PrecisionType PrefixedDataset ProjectConfiguration
+    RNGType TensorInformation TorchContextParallelConfig TorchTensorParallelConfig
+    MODEL_NAME OPTIMIZER_NAME PROFILE_PATTERN_NAME RNG_STATE_NAME SAFE_MODEL_NAME
+    SAFE_WEIGHTS_INDEX_NAME SAFE_WEIGHTS_NAME SAFE_WEIGHTS_PATTERN_NAME SCALER_NAME
+    SCHEDULER_NAME WEIGHTS_INDEX_NAME WEIGHTS_NAME WEIGHTS_PATTERN_NAME
+    are_libraries_initialized calculate_maximum_sizes check_device_map check_os_kernel
+    clean_state_dict_for_safetensors clear_environment compare_versions concatenate
+    convert_bytes convert_file_size_to_int convert_outputs_to_fp32 convert_to_fp32
+    dtype_byte_size extract_model_from_parallel find_batch_size find_device
+    find_tied_parameters get_balanced_memory get_data_structure get_gpu_info get_int_from_env
+    get_max_layer_size get_max_memory get_pretty_name has_compiled_regions has_offloaded_params
+    honor_type id_tensor_storage ignorant_find_batch_size initialize_tensors is_compiled_module
+    is_namedtuple is_peft_model is_port_in_use is_tensor_information is_torch_tensor
+    is_torch_version listify load merge_dicts merge_fsdp_weights model_has_dtensor
+    named_module_tensors offload_state_dict parse_choice_from_env parse_flag_from_env
+    patch_environment purge_accelerate_environment recursive_getattr recursively_apply
+    release_memory save set_seed slice_tensors str_to_bool synchronize_rng_state tqdm
+    wait_for_everyone write_basic_config""",
+)
+# What is installed, which devices exist.
+_add(
+    UTILS,
+    SAME,
+    """is_4bit_bnb_available is_8bit_bnb_available is_aim_available is_amdsmi_available
+    is_bf16_available is_bnb_available is_boto3_available is_clearml_available
+    is_comet_ml_available is_cuda_available is_datasets_available is_deepspeed_available
+    is_dvclive_available is_fp8_available is_fp16_available is_hpu_available
+    is_import_timer_available is_lomo_available is_matplotlib_available
+    is_megatron_lm_available is_mlflow_available is_mlu_available is_mps_available
+    is_msamp_available is_musa_available is_neuron_available is_npu_available
+    is_pandas_available is_peft_available is_pippy_available is_pynvml_available
+    is_pytest_available is_rocm_available is_sagemaker_available is_schedulefree_available
+    is_sdaa_available is_swanlab_available is_tensorboard_available is_timm_available
+    is_torch_xla_available is_torchao_available is_torchdata_available
+    is_torchdata_stateful_dataloader_available is_torchvision_available is_trackio_available
+    is_transformer_engine_available is_transformers_available is_triton_available
+    is_wandb_available is_weights_only_available is_xccl_available is_xpu_available""",
+)
+_add(
+    UTILS,
+    DIFFERENT,
+    "broadcast gather pad_across_processes reduce",
+    "the first argument is named data (any nested structure of tensors), not tensor: pass it "
+    "positionally; state= picks a ProcessState",
+)
+_add_each(
+    UTILS,
+    DIFFERENT,
+    {
+        "broadcast_object_list": "the first argument is named objects",
+        "gather_object": "the argument is named obj, not object",
+        "send_to_device": "the first argument is named data; no skip_keys",
+        "compute_module_sizes": "no buffers_only",
+        "DummyScheduler": (
+            "the scheduler is the DeepSpeed config's: lr_scheduler_callable is not called "
+            "(pass it by keyword; it is kept in .kwargs)"
+        ),
+        "set_module_tensor_to_device": (
+            "no fp16_statistics, tied_params_map, non_blocking or clear_cache"
+        ),
+        "LoggerType": (
+            "log_with takes csv (slipstream's own), tensorboard, wandb and mlflow; the other "
+            "trackers are refused: pass a GeneralTracker of your own"
+        ),
+        "TorchDynamoPlugin": (
+            "no disable or use_regional_compilation: backend='no' disables compiling"
+        ),
+        "pad_input_tensors": (
+            "pads along dim to the next multiple of num_processes (Accelerate's arithmetic can "
+            "leave a remainder, and always pads dimension 0)"
+        ),
+    },
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    """MegatronLMPlugin AbstractTrainStep BertTrainStep GPTTrainStep T5TrainStep MegatronEngine
+    MegatronLMDummyDataLoader MegatronLMDummyScheduler MegatronLMOptimizerWrapper
+    MegatronLMSchedulerWrapper add_model_config_to_megatron_parser
+    avg_losses_across_data_parallel_group megatron_lm_initialize
+    megatron_lm_prepare_data_loader megatron_lm_prepare_model_optimizer_scheduler
+    megatron_lm_prepare_optimizer megatron_lm_prepare_scheduler""",
+    "Megatron-LM is not supported: use ParallelismConfig (tensor, pipeline and context "
+    "parallelism with FSDP2) for the same layouts",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    """AORecipeKwargs FP8RecipeKwargs MSAMPRecipeKwargs TERecipeKwargs apply_fp8_autowrap
+    contextual_fp8_autocast convert_model convert_model_to_fp8_ao
+    filter_first_and_last_linear_layers has_ao_layers has_transformer_engine_layers
+    is_transformer_engine_mxfp8_available torchao_required""",
+    'fp8 training is mixed_precision="fp8" (torchao\'s float8 linear layers, converted by '
+    "prepare); there are no recipe objects and no Transformer Engine or MS-AMP backend",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    """disable_fsdp_ram_efficient_loading enable_fsdp_ram_efficient_loading fsdp2_apply_ac
+    fsdp2_canonicalize_names fsdp2_load_full_state_dict fsdp2_prepare_model
+    fsdp2_switch_optimizer_parameters get_fsdp2_grad_scaler get_module_children_bottom_up
+    load_fsdp_model load_fsdp_optimizer save_fsdp_model save_fsdp_optimizer""",
+    "FSDP2 is the strategy's job: prepare shards the model, save_state/load_state and "
+    "save_model save and load it (slipstream merge-weights merges a sharded checkpoint)",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    """DeepSpeedEngineWrapper DeepSpeedOptimizerWrapper DeepSpeedSchedulerWrapper
+    GatheredParameters HfDeepSpeedConfig deepspeed_required get_active_deepspeed_plugin
+    map_pytorch_optim_to_deepspeed""",
+    "DeepSpeed is the strategy's job: prepare builds the engine from the DeepSpeedPlugin "
+    "(accelerator.deepspeed_plugin); use deepspeed's own API for anything else",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    """PrepareForLaunch TORCH_LAUNCH_PARAMS check_cuda_p2p_ib_support
+    convert_dict_to_env_variables get_cpu_distributed_information prepare_deepspeed_cmd_env
+    prepare_multi_gpu_env prepare_simple_launcher_cmd_env set_numa_affinity""",
+    "a launcher internal: use slipstream launch, notebook_launcher or debug_launcher",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    """BnbQuantizationConfig has_4bit_bnb_layers is_bitsandbytes_multi_backend_available
+    load_and_quantize_model""",
+    "bitsandbytes quantization is not integrated: quantize with transformers "
+    "(BitsAndBytesConfig) before prepare",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    "load_offloaded_weight load_offloaded_weights offload_weight save_offload_index",
+    "disk offload writes safetensors files and an index.json, not Accelerate's .dat files: "
+    "use disk_offload, offload_state_dict or load_checkpoint_and_dispatch(offload_folder=...)",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    """check_tied_parameters_in_config check_tied_parameters_on_same_device
+    ensure_weights_retied retie_parameters""",
+    "loading and dispatching keep tied weights tied themselves (a tied value is put at every "
+    "name it feeds); find_tied_parameters lists them",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    "install_xla prepare_tpu",
+    "TPUs (XLA) are not supported: slipstream runs on CPUs and CUDA GPUs",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    "SageMakerDistributedType prepare_sagemager_args_inputs",
+    "launching on Amazon SageMaker is not supported",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    """MITA_PROFILING_AVAILABLE_PYTORCH_VERSION XPU_PROFILING_AVAILABLE_PYTORCH_VERSION
+    TORCH_DISTRIBUTED_OPERATION_TYPES copy_tensor_to_devices extract_submodules_state_dict""",
+    "an Accelerate internal with no use outside it",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    "compile_regions compile_regions_deepspeed compile_regions_fsdp2",
+    "regional compilation is not provided: compile the repeated blocks yourself "
+    "(for block in model.layers: block.compile())",
+)
+_add(
+    UTILS,
+    NOT_PROVIDED,
+    "get_grad_scaler get_mixed_precision_context_manager",
+    "use the accelerator's: accelerator.scaler, accelerator.autocast()",
+)
+_add_each(
+    UTILS,
+    NOT_PROVIDED,
+    {
+        "CannotPadNestedTensorWarning": (
+            "pad_across_processes has no special case for nested tensors"
+        ),
+        "CustomDtype": (
+            "device maps size weights by their torch dtypes (torch.int4, torch.float8_e4m3fn, ...)"
+        ),
+        "DeepSpeedSequenceParallelConfig": _ULYSSES,
+        "SAMPLER_NAME": (
+            "save_state records the samplers' positions in its manifest, not in sampler.bin"
+        ),
+        "TorchTensorParallelPlugin": "use ParallelismConfig(tp_size=...)",
+        "align_module_device": "offloaded modules are moved by their hooks when they run",
+        "check_cuda_fp8_capability": "use torch.cuda.get_device_capability() >= (8, 9)",
+        "gather_across_data_parallel_groups": (
+            "accelerator.gather and gather_for_metrics gather over the data-parallel processes "
+            "already"
+        ),
+        "get_current_device_type": "use PartialState().device.type",
+        "get_model_tp_size": "use accelerator.parallelism_config.tp_size",
+        "is_habana_gaudi1": "slipstream does not run on Intel Gaudi HPUs",
+        "load_state_dict": (
+            "read a checkpoint file with safetensors.torch.load_file or slipstream.utils.load"
+        ),
+    },
+)
+# -- accelerate.logging ----------------------------------------------------------------------
+_add(LOGGING, SAME, "MultiProcessAdapter get_logger")
+
+# -- Accelerator members ---------------------------------------------------------------------
+_add(
+    ACCELERATOR,
+    SAME,
+    """accumulate backward check_trigger clear clip_grad_norm_ clip_grad_value_
+    context_parallel_rank data_parallel_rank data_parallel_shard_rank deepspeed_plugin device
+    dispatch_batches distributed_type end_training even_batches free_memory gather
+    gather_for_metrics get_tracker gradient_accumulation_steps init_trackers is_fsdp2
+    is_last_process is_local_main_process is_main_process local_main_process_first
+    local_process_index log logging_dir main_process_first maybe_context_parallel
+    mixed_precision multi_device no_sync non_blocking num_processes on_last_process
+    on_local_process on_process optimizer_step_was_skipped pad_across_processes
+    parallelism_config pipeline_parallel_rank prepare prepare_scheduler print process_index
+    profile project_dir reduce register_for_checkpointing register_load_state_pre_hook
+    register_save_state_pre_hook save save_iteration save_model set_trigger
+    skip_first_batches split_batches split_between_processes sync_gradients
+    tensor_parallel_rank torch_device_mesh trigger_sync_in_backward unscale_gradients
+    use_distributed use_stateful_dataloader verify_device_map wait_for_everyone""",
+)
+_add_each(
+    ACCELERATOR,
+    DIFFERENT,
+    {
+        "autocast": "takes enabled=, not an AutocastKwargs: pass AutocastKwargs in kwargs_handlers",
+        "fp8_backend": 'the strings "TORCHAO" (fp8 training) or "NO"',
+        "get_state_dict": "no unwrap: always the unwrapped model's",
+        "is_composable_parallelism_enabled": (
+            "also true for any N-D layout (tensor, context or pipeline parallel)"
+        ),
+        "join_uneven_inputs": (
+            "raises under FSDP or DeepSpeed with uneven batches (keep even_batches=True there)"
+        ),
+        "load_state": "no load_kwargs: files are read with torch.load(weights_only=True); "
+        'load_state("latest") resumes from the newest checkpoint',
+        "prepare_data_loader": (
+            "no slice_fn_for_dispatch: dispatched batches are sliced tensor by tensor"
+        ),
+        "prepare_model": "no evaluation_mode: call model.eval()",
+        "prepare_optimizer": "no device_placement: the optimizer follows its model's parameters",
+        "save_state": (
+            "the second argument is async_save, not safe_serialization (models are always "
+            "saved as safetensors; the keyword is accepted and ignored)"
+        ),
+        "should_save_model": "always True",
+        "unwrap_model": "no keep_torch_compile: torch.compile's wrapper is always removed",
+        "use_seedable_sampler": "always True: slipstream's samplers are always seedable",
+    },
+)
+_add(
+    ACCELERATOR,
+    DIFFERENT,
+    "on_local_main_process on_main_process",
+    "decorators only: the function is required",
+)
+_add_each(
+    ACCELERATOR,
+    NOT_PROVIDED,
+    {
+        "lomo_backward": (
+            "LOMO optimizers are not supported: use a torch optimizer with accelerator.backward"
+        ),
+        "deepspeed_ulysses_dl_adapter": _ULYSSES,
+    },
 )
 
 

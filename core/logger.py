@@ -13,6 +13,7 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
+from .env import log_level_from_environment
 from .state import current_state, has_current_state
 
 
@@ -50,9 +51,24 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg,unuse
                     self.logger.log(level, message, *args, **options)
                 state.wait_for_everyone()
 
+    def warning_once(self, *args: Any, **kwargs: Any) -> None:
+        """``warning``, but a message (with the same arguments) is logged once only."""
+        key = repr((args, sorted(kwargs.items())))
+        warned: set[str] = self.__dict__.setdefault("_warned", set())
+        if key not in warned:
+            warned.add(key)
+            kwargs.setdefault("stacklevel", 3)
+            self.warning(*args, **kwargs)
+
 
 def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAdapter:
-    """A logger whose messages appear once, from the main process, with the rank prefixed."""
+    """A logger whose messages appear once, from the main process, with the rank prefixed.
+
+    Without ``log_level``, ``SLIPSTREAM_LOG_LEVEL`` (or Accelerate's ``ACCELERATE_LOG_LEVEL``)
+    sets it when present.
+    """
+    if log_level is None:
+        log_level = log_level_from_environment()
     logger = logging.getLogger(name)
     if log_level is not None:
         logger.setLevel(log_level.upper() if isinstance(log_level, str) else log_level)

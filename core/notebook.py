@@ -1,4 +1,5 @@
-"""``notebook_launcher``: start a function on several processes (a notebook's training).
+"""``notebook_launcher``: start a function on several processes (a notebook's training);
+``debug_launcher``: the same on CPU processes, to debug distributed code.
 
 Built on torchrun's elastic agent like ``slipstream launch``: the processes form one group
 on a free local port, a failure stops all of them and raises here.
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .env import export_for_workers
+from .env import LAUNCH_CONFIG_VARIABLE, export_for_workers, patch_environment
 
 
 def _in_notebook() -> bool:
@@ -88,3 +89,22 @@ def notebook_launcher(
     except ChildFailedError as failure:
         raise RuntimeError(f"notebook_launcher: a process failed\n{failure.format_msg()}") from None
     return [results[rank] for rank in sorted(results)]
+
+
+def debug_launcher(
+    function: Callable[..., Any], args: tuple[Any, ...] = (), num_processes: int = 2
+) -> list[Any]:
+    """Run ``function(*args)`` on ``num_processes`` CPU processes, to debug distributed code
+    on a laptop; returns each one's result. Not meant for real training.
+
+    The processes are forked (as in Accelerate), so a function defined anywhere works; the
+    caller's environment is as it was afterwards.
+
+    Example::
+
+        debug_launcher(training_function, num_processes=2)
+    """
+    with patch_environment(**{LAUNCH_CONFIG_VARIABLE: "", "CUDA_VISIBLE_DEVICES": ""}):
+        return notebook_launcher(
+            function, args, num_processes=num_processes, use_cpu=True, start_method="fork"
+        )

@@ -214,6 +214,8 @@ class PreparationMixin:
             non_blocking=self.dataloader_config.non_blocking,
             active_loaders=self.active_loaders,
             dispatch_batches=self.dataloader_config.dispatch_batches,
+            use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
+            data_seed=self.dataloader_config.data_seed,
         )
         self._dataloaders.append(prepared)
         return prepared

@@ -138,6 +138,17 @@ class ProcessControl:
             return functools.partial(self.on_process, process_index=process_index)
         return self._only_if(function, lambda: self.process_index == process_index)
 
+    def on_local_process(
+        self, function: F | None = None, local_process_index: int | None = None
+    ) -> Any:
+        """Decorator: run ``function`` on local process ``local_process_index`` of every
+        machine only. Use as ``@accelerator.on_local_process(local_process_index=1)``."""
+        if local_process_index is None:
+            raise TypeError("on_local_process needs local_process_index=")
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        return self._only_if(function, lambda: self.local_process_index == local_process_index)
+
     @staticmethod
     def _only_if(function: F, condition: Callable[[], bool]) -> F:
         @functools.wraps(function)

@@ -23,6 +23,10 @@ class StepState:
     cycle_length: int = 1
     #: Optimizer steps taken (not skipped) — the checkpointed "step".
     optimizer_steps: int = 0
+    #: The end of a dataloader ends the accumulation cycle (else cycles span epochs).
+    sync_with_dataloader: bool = True
+    #: Synchronise gradients on every micro-step (they still accumulate until the step).
+    sync_each_batch: bool = False
 
     def __post_init__(self) -> None:
         steps = self.gradient_accumulation_steps
@@ -38,6 +42,8 @@ class StepState:
         final cycle of an epoch so its loss is averaged over the micro-batches it really has.
         """
         steps = self.gradient_accumulation_steps
+        if not self.sync_with_dataloader:
+            end_of_dataloader, batches_left = False, None
         position = self.micro_steps % steps
         if position == 0:
             self.cycle_length = steps if batches_left is None else max(1, min(steps, batches_left))

@@ -139,7 +139,7 @@ class TrainingStepMixin:
             loader.batches_left if loader is not None else None,
         )
         with contextlib.ExitStack() as stack:
-            if not self.step_state.sync_gradients:
+            if not (self.step_state.sync_gradients or self.step_state.sync_each_batch):
                 for model in models or self._models:
                     stack.enter_context(self.no_sync(model))
             yield

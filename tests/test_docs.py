@@ -3,6 +3,7 @@ docstring the API reference cannot read fails the suite."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,13 @@ def test_the_site_builds_strictly(tmp_path: Path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "site" / "api" / "index.html").exists()
+    reference = (tmp_path / "site" / "api" / "index.html").read_text()
+    # mkdocstrings drops a listed member it cannot find (e.g. one inherited from a mixin)
+    # without a warning: every member api.md lists must be on the page.
+    source = (REPO / "docs" / "api.md").read_text()
+    listed = re.findall(r"^\s+- (\w+)$", source.split("## Accelerator", 1)[1], re.MULTILINE)
+    missing = [m for m in listed if f'id="slipstream.accelerator.Accelerator.{m}"' not in reference]
+    assert listed and missing == []
 
 
 def test_every_guide_is_in_the_navigation():

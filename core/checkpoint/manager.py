@@ -202,7 +202,7 @@ class Checkpointer:
         self._everyone(write_parts)
         manifest = self._manifest(objects, len(weights), [])
         if self.state.is_main_process:
-            manifest["dataloaders"] = [loader.state_dict() for loader in objects.dataloaders]
+            manifest["dataloaders"] = [loader.position_state() for loader in objects.dataloaders]
         pending = _PendingSave(location, writer, manifest)
         if async_save:
             pending.thread = threading.Thread(target=writer.flush, name="slipstream-save")
@@ -270,6 +270,9 @@ class Checkpointer:
             if extra:
                 writer.save_object("callbacks.pkl", extra)
         writer.save_object(f"random_states_{self.state.process_index}.pkl", capture_rng_states())
+        loader_states = [loader.process_state() for loader in objects.dataloaders]
+        if any(state is not None for state in loader_states):
+            writer.save_object(f"dataloader_states_{self.state.process_index}.pkl", loader_states)
 
     def _manifest(
         self, objects: TrainingObjects, saved_models: int, files: list[Any]
@@ -344,9 +347,12 @@ class Checkpointer:
         for index, obj in enumerate(objects.custom):
             saved = reader.load_object(f"custom_checkpoint_{index}.pkl", "registered object")
             apply.append(_applier(obj.load_state_dict, saved))
-        for loader, position in zip(objects.dataloaders, manifest["dataloaders"], strict=True):
+        own_states = self._dataloader_states(reader, manifest, len(objects.dataloaders))
+        for loader, position, own in zip(
+            objects.dataloaders, manifest["dataloaders"], own_states, strict=True
+        ):
             loader.resume_position(position)  # validates before anything changes
-            apply.append(_applier(loader.load_state_dict, position))
+            apply.append(_applier(loader.load_state_dict, {**position, "process_state": own}))
         rng = self._rng_states(reader, manifest)
         if objects.restore_extra is not None and reader.storage.exists(
             reader.path("callbacks.pkl")
@@ -372,6 +378,19 @@ class Checkpointer:
                 f"{reader.storage.url(reader.folder)} is incomplete: {missing[:6]} listed in its "
                 "manifest are missing (was it copied partially?)"
             )
+
+    def _dataloader_states(
+        self, reader: CheckpointReader, manifest: dict[str, Any], count: int
+    ) -> list[Any]:
+        """Each loader's state of this process (stateful datasets), when saved by as many
+        processes; otherwise ``None`` each: loaders then resume from their position."""
+        name = f"dataloader_states_{self.state.process_index}.pkl"
+        if manifest["num_processes"] != self.state.num_processes or not reader.storage.exists(
+            reader.path(name)
+        ):
+            return [None] * count
+        states = reader.load_object(name, "dataloader states")
+        return list(states) if len(states) == count else [None] * count
 
     def _rng_states(self, reader: CheckpointReader, manifest: dict[str, Any]) -> Any:
         name = f"random_states_{self.state.process_index}.pkl"

@@ -49,6 +49,10 @@ class IterableDatasetShard(IterableDataset[Any]):
         #: Real samples in the final, incomplete global batch of the last pass (or None).
         self.final_real_samples: int | None = None
         self.epoch = 0
+        #: The first global batch of this pass (completes a short final one).
+        self.initial: list[Any] = []
+        #: ``initial`` of a pass resumed from a saved state.
+        self.restored_initial: list[Any] = []
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -61,13 +65,13 @@ class IterableDatasetShard(IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         self.final_real_samples = None
-        initial: list[Any] = []
+        self.initial, self.restored_initial = self.restored_initial, []
         buffer: list[Any] = []
         for sample in self.dataset:
             buffer.append(sample)
             if len(buffer) == self.global_batch_size:
-                if not initial:
-                    initial = list(buffer)
+                if not self.initial:
+                    self.initial = list(buffer)
                 yield from self._slice(buffer)
                 buffer = []
         if not buffer or self.drop_last:
@@ -77,7 +81,8 @@ class IterableDatasetShard(IterableDataset[Any]):
             yield from buffer
             return
         if self.even_batches:
-            yield from self._slice(_complete(buffer, self.global_batch_size, initial or buffer))
+            completion = self.initial or buffer
+            yield from self._slice(_complete(buffer, self.global_batch_size, completion))
         else:
             size = math.ceil(len(buffer) / self.num_processes)
             start = self.process_index * size

@@ -72,6 +72,9 @@ class PreparedDataLoader(DataLoader[Any]):
         #: Shuffle generators' states at the start of the current pass (for exact resume).
         self._pass_generator_states: list[torch.Tensor | None] = []
         self._generators_to_restore: list[torch.Tensor | None] | None = None
+        #: Batches of the next pass already consumed before a checkpoint that the batch
+        #: source itself resumes after (a stateful dataset), so nothing is re-read.
+        self._resumed_batches = 0
 
     # -- epochs and shuffling -----------------------------------------------------------
     @property
@@ -191,14 +194,16 @@ class PreparedDataLoader(DataLoader[Any]):
         self._start_pass()
         pending_skip = self.shard.skip_batches if isinstance(self.shard, ShardedBatchSampler) else 0
         iterable_skip, self._iterable_skip = self._iterable_skip, 0
+        resumed, self._resumed_batches = self._resumed_batches, 0
         # Starting an iterator draws a worker seed from torch's RNG. When resuming mid-epoch
         # that draw already happened before the checkpoint, so undo it to stay bitwise exact.
-        resumed_rng = torch.get_rng_state() if pending_skip or iterable_skip else None
+        mid_epoch = pending_skip or iterable_skip or resumed
+        resumed_rng = torch.get_rng_state() if mid_epoch else None
         batches: Iterator[Any] = self._batches()
         if resumed_rng is not None:
             torch.set_rng_state(resumed_rng)
         length = self._pass_length()
-        self.batches_yielded = pending_skip
+        self.batches_yielded = pending_skip + resumed
         self.end_of_dataloader = False
         self.active_loaders.push(self)
         try:
@@ -224,9 +229,12 @@ class PreparedDataLoader(DataLoader[Any]):
                     yield self._place(batch)
             else:
                 notes = self._notes
+                capture = self._capture_position
                 current = next(batches, _EXHAUSTED)
                 while current is not _EXHAUSTED:
                     note = notes.popleft() if notes else None  # before the look-ahead's
+                    if capture is not None:
+                        capture()  # the source's state after `current`, before the look-ahead
                     upcoming = next(batches, _EXHAUSTED)
                     position["end_of_dataloader"] = upcoming is _EXHAUSTED
                     position["batches_yielded"] += 1
@@ -294,8 +302,21 @@ class PreparedDataLoader(DataLoader[Any]):
         return length
 
     # -- position for checkpoints -------------------------------------------------------
+    #: Called at each batch boundary of a stream to record the batch source's own state
+    #: (set by loaders whose dataset resumes from its state; see ``stateful.py``).
+    _capture_position: Callable[[], None] | None = None
+
     def state_dict(self) -> dict[str, Any]:
         """Epoch, batches yielded in it and the shuffle state: enough to resume exactly."""
+        return self.position_state()
+
+    def process_state(self) -> Any:
+        """This process's own part of the loader's state (``None``: the position says all);
+        checkpoints keep it per process."""
+        return None
+
+    def position_state(self) -> dict[str, Any]:
+        """The position, the same on every process (JSON: it goes in checkpoint manifests)."""
         sampler = getattr(self.shard, "sampler", None)
         return {
             "epoch": self._epoch,
@@ -321,7 +342,16 @@ class PreparedDataLoader(DataLoader[Any]):
                 torch.tensor(saved, dtype=torch.uint8) if saved is not None else None
                 for saved in state["generators"]
             ]
+        own = state.get("process_state")
+        if own is not None and self._restore_process_state(own):
+            self._resumed_batches = int(state["batches_yielded"])  # nothing to re-read
+            return
         self.skip_next_pass(self.resume_position(state))
+
+    def _restore_process_state(self, state: Any) -> bool:
+        """Resume the batch source from ``state`` (see :meth:`process_state`); False when
+        this loader cannot, and skips to its position instead."""
+        return False
 
     def resume_position(self, state: dict[str, Any]) -> int:
         """Batches to skip, translated when the checkpoint came from another number of

@@ -26,6 +26,12 @@ from .samplers import (
     SkipBatchSampler,
     check_shard_arguments,
 )
+from .stateful import (
+    StatefulDatasetShard,
+    is_stateful,
+    is_stateful_dataloader,
+    stateful_loader_class,
+)
 from .streaming import SelfShardedStream, can_shard_itself
 
 # DataLoader constructor arguments copied from the user's loader when rebuilding it.
@@ -61,8 +67,13 @@ def _copied_arguments(loader: DataLoader[Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _agreed_seed(generator: torch.Generator | None, state: ProcessState) -> int:
-    """A shuffle seed drawn on every rank (same RNG use everywhere), rank 0's value kept."""
+def _agreed_seed(
+    generator: torch.Generator | None, state: ProcessState, data_seed: int | None = None
+) -> int:
+    """A shuffle seed drawn on every rank (same RNG use everywhere), rank 0's value kept;
+    ``data_seed`` when given."""
+    if data_seed is not None:
+        return int(data_seed)
     seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
     if state.num_processes > 1:
         from ..collectives import broadcast
@@ -72,7 +83,9 @@ def _agreed_seed(generator: torch.Generator | None, state: ProcessState) -> int:
     return seed
 
 
-def _seeded_batch_sampler(loader: DataLoader[Any], state: ProcessState) -> Any:
+def _seeded_batch_sampler(
+    loader: DataLoader[Any], state: ProcessState, data_seed: int | None = None
+) -> Any:
     """The loader's batch sampler, shuffling alike on every rank: a RandomSampler is
     replaced by a seeded one, other samplers get a seeded generator."""
     batch_sampler = loader.batch_sampler
@@ -80,7 +93,7 @@ def _seeded_batch_sampler(loader: DataLoader[Any], state: ProcessState) -> Any:
     if type(batch_sampler) is BatchSampler and type(sampler) is RandomSampler:
         seeded = SeedableRandomSampler(
             len(sampler.data_source),
-            _agreed_seed(sampler.generator, state),
+            _agreed_seed(sampler.generator, state, data_seed),
             replacement=sampler.replacement,
             num_samples=sampler.num_samples,
         )
@@ -92,7 +105,7 @@ def _seeded_batch_sampler(loader: DataLoader[Any], state: ProcessState) -> Any:
             # its own generator, seeded alike everywhere; _synchronise_generators keeps it in
             # step every pass, and checkpoints save its state.
             generator = torch.Generator()
-            generator.manual_seed(_agreed_seed(None, state))
+            generator.manual_seed(_agreed_seed(None, state, data_seed))
             owner.generator = generator
     return batch_sampler
 
@@ -107,6 +120,8 @@ def prepare_data_loader(
     non_blocking: bool = False,
     active_loaders: ActiveLoaders | None = None,
     dispatch_batches: bool | None = None,
+    use_stateful_dataloader: bool = False,
+    data_seed: int | None = None,
 ) -> PreparedDataLoader:
     """Rebuild ``loader`` so this process gets its shard of every global batch.
 
@@ -118,12 +133,18 @@ def prepare_data_loader(
     An ``IterableDataset`` that can shard itself is read in parts, one per process;
     otherwise every process reads the stream and keeps its slice, or, with
     ``dispatch_batches``, the main process reads it and sends each process its slice.
+
+    A torchdata ``StatefulDataLoader``, or any loader with ``use_stateful_dataloader``,
+    gives a prepared loader that is also a ``StatefulDataLoader`` (see
+    :mod:`slipstream.data.stateful`). ``data_seed`` fixes the shuffle's seed.
     """
     if isinstance(loader, PreparedDataLoader):
         raise DataLoaderPreparationError(
             "this DataLoader was already prepared; pass the original DataLoader to prepare()"
         )
     kwargs = _copied_arguments(loader)
+    stateful = use_stateful_dataloader or is_stateful_dataloader(loader)
+    loader_class = stateful_loader_class() if stateful else PreparedDataLoader
     device = state.device if device_placement else None
     common: dict[str, Any] = {
         "state": state,
@@ -157,7 +178,7 @@ def prepare_data_loader(
             # The main process reads global batches; the others receive their slices.
             check_shard_arguments(processes, 0, split_batches, loader.batch_size)
             per_process = loader.batch_size // processes if split_batches else loader.batch_size
-            return PreparedDataLoader(
+            return loader_class(
                 dataset,
                 shard=None,
                 batch_size=per_process * processes,
@@ -169,10 +190,12 @@ def prepare_data_loader(
         shard: IterableDatasetShard
         if can_shard_itself(dataset, processes):
             shard = SelfShardedStream(dataset, state=state, **options)  # reads only its part
+        elif stateful and is_stateful(dataset):
+            shard = StatefulDatasetShard(dataset, **options)  # resumes from its state
         else:
             shard = IterableDatasetShard(dataset, **options)  # reads all, keeps its slice
         per_process = shard.per_process
-        return PreparedDataLoader(
+        return loader_class(
             shard,
             shard=shard,
             batch_size=per_process,
@@ -193,13 +216,13 @@ def prepare_data_loader(
             "build the DataLoader with shuffle=True/False (or your own sampler) instead"
         )
     sharded = ShardedBatchSampler(
-        _seeded_batch_sampler(loader, state),
+        _seeded_batch_sampler(loader, state, data_seed),
         num_processes=state.data_parallel_size,
         process_index=state.data_parallel_index,
         split_batches=split_batches,
         even_batches=even_batches,
     )
-    return PreparedDataLoader(dataset, shard=sharded, batch_sampler=sharded, **common, **kwargs)
+    return loader_class(dataset, shard=sharded, batch_sampler=sharded, **common, **kwargs)
 
 
 def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[Any]:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..tree import map_tensors
+from ..nested import convert_to_fp32
 
 _ORIGINAL_FORWARD = "_slipstream_original_forward"
 # The (context, convert_outputs_to_fp32, convert_inputs) a forward was patched with.
@@ -67,10 +67,6 @@ class Precision:
         return loss
 
 
-def _to_fp32(value: torch.Tensor) -> torch.Tensor:
-    return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
-
-
 def patch_forward_with(
     model: nn.Module,
     context: Callable[[], Any],
@@ -89,7 +85,7 @@ def patch_forward_with(
             args, kwargs = convert_inputs((args, kwargs))
         with context():
             outputs = original(*args, **kwargs)
-        return map_tensors(_to_fp32, outputs) if convert_outputs_to_fp32 else outputs
+        return convert_to_fp32(outputs) if convert_outputs_to_fp32 else outputs
 
     setattr(model, _ORIGINAL_FORWARD, original)
     model.__dict__[_PATCH] = (context, convert_outputs_to_fp32, convert_inputs)

@@ -15,10 +15,34 @@ from .base import Strategy
 class DDPStrategy(Strategy):
     """Every process holds the whole model; gradients are averaged in backward.
 
-    Options are those of :class:`~slipstream.utils.DistributedDataParallelKwargs`.
+    Options are those of :class:`~slipstream.utils.DistributedDataParallelKwargs`; its
+    ``comm_hook`` (with ``comm_wrapper`` and ``comm_state_option``) is registered on every
+    wrapped model.
     """
 
     name: ClassVar[str] = "ddp"
+
+    def __init__(
+        self,
+        state: Any,
+        *,
+        comm_hook: Any = None,
+        comm_wrapper: Any = None,
+        comm_state_option: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(state, **options)
+        from ..kwargs import DDPCommunicationHookType as Hook
+
+        self.comm_hook = Hook(comm_hook or Hook.NO)
+        self.comm_wrapper = Hook(comm_wrapper or Hook.NO)
+        self.comm_state_option = dict(comm_state_option or {})
+        if Hook.BF16 in (self.comm_hook, self.comm_wrapper) and state.device.type != "cuda":
+            raise ValueError(
+                "bf16 gradient communication (comm_hook or comm_wrapper 'bf16') needs GPUs "
+                f"with NCCL (torch's bf16 all-reduce); on {state.device.type} processes use "
+                "'fp16' instead"
+            )
 
     def wrap_model(self, model: nn.Module, *, device_placement: bool) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
@@ -34,7 +58,43 @@ class DDPStrategy(Strategy):
             return model
         device = self.state.device
         device_ids = [device.index or 0] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **self.options)
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.options)
+        self._register_comm_hook(wrapped)
+        return wrapped
+
+    def _register_comm_hook(self, model: nn.Module) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        from ..kwargs import DDPCommunicationHookType as Hook
+
+        if self.comm_hook is Hook.NO:
+            return
+        hook: Any
+        if self.comm_hook in (Hook.FP16, Hook.BF16):
+            hook = (
+                default_hooks.fp16_compress_hook
+                if self.comm_hook is Hook.FP16
+                else default_hooks.bf16_compress_hook
+            )
+            model.register_comm_hook(state=None, hook=hook)  # type: ignore[operator]
+            return
+        hook = (
+            powerSGD_hook.powerSGD_hook
+            if self.comm_hook is Hook.POWER_SGD
+            else powerSGD_hook.batched_powerSGD_hook
+        )
+        if self.comm_wrapper is Hook.FP16:
+            hook = default_hooks.fp16_compress_wrapper(hook)
+        elif self.comm_wrapper is Hook.BF16:
+            hook = default_hooks.bf16_compress_wrapper(hook)
+        try:
+            hook_state = powerSGD_hook.PowerSGDState(process_group=None, **self.comm_state_option)
+        except TypeError as error:
+            raise ValueError(
+                f"comm_state_option={self.comm_state_option!r} does not fit PowerSGD's state "
+                f"({error}); use keys such as matrix_approximation_rank, start_powerSGD_iter"
+            ) from None
+        model.register_comm_hook(state=hook_state, hook=hook)  # type: ignore[operator]
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         wrapped = _ddp_class()

@@ -181,7 +181,11 @@ def _process_control(marker: str) -> dict:
     def local_main_only():
         calls.append("local-main")
 
-    main_only(), second_only(), last_only(), local_main_only()
+    @acc.on_local_process(local_process_index=1)
+    def second_local_only():
+        calls.append("local-1")
+
+    main_only(), second_only(), last_only(), local_main_only(), second_local_only()
     with acc.main_process_first(), open(marker, "a") as handle:
         if acc.is_main_process:
             time.sleep(0.5)  # the other rank must still wait for us
@@ -195,7 +199,8 @@ def test_process_control_on_two_processes(tmp_path):
     marker = str(tmp_path / "order.txt")
     r0, r1 = run_distributed(_process_control, marker)
     assert r0["printed"] == "hello from 0\n" and r1["printed"] == ""
-    assert r0["calls"] == ["main", "local-main"] and r1["calls"] == ["second", "last"]
+    assert r0["calls"] == ["main", "local-main"]
+    assert r1["calls"] == ["second", "last", "local-1"]
     with open(marker) as handle:
         assert handle.read().split() == ["0", "1"]
     assert r0["share"] == [0, 1, 2] and r1["share"] == [3, 4, 4]

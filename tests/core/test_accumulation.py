@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -179,3 +180,92 @@ def test_clipping_between_sync_steps_leaves_partial_gradients_alone():
         assert (
             abs(norm.item() - torch.cat([before.flatten(), model.bias.grad]).norm().item()) < 1e-5
         )
+
+
+# -- GradientAccumulationPlugin ---------------------------------------------------------------
+
+
+def test_plugin_sets_the_steps_and_refuses_ambiguity() -> None:
+    from slipstream.kwargs import GradientAccumulationPlugin
+
+    plugin = GradientAccumulationPlugin(num_steps=3)
+    assert (
+        Accelerator(cpu=True, gradient_accumulation_plugin=plugin).gradient_accumulation_steps == 3
+    )
+    with pytest.raises(ValueError, match="not both"):
+        Accelerator(cpu=True, gradient_accumulation_steps=2, gradient_accumulation_plugin=plugin)
+    with pytest.raises(ValueError, match="needs num_steps"):
+        Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin())
+
+
+@pytest.mark.parametrize("with_dataloader", [True, False])
+def test_sync_with_dataloader(with_dataloader: bool) -> None:
+    from slipstream.kwargs import GradientAccumulationPlugin
+
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=with_dataloader)
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
+    model = acc.prepare(_model())
+    loader = acc.prepare(DataLoader(_dataset(5), batch_size=1))
+    syncs = []
+    for _ in range(2):
+        for _batch in loader:
+            with acc.accumulate(model):
+                syncs.append(acc.sync_gradients)
+    if with_dataloader:  # the end of each epoch ends the cycle
+        assert syncs == [False, True, False, True, True] * 2
+    else:  # cycles run across epochs
+        assert syncs == [False, True] * 5
+
+
+def _sync_each_batch(each: bool) -> dict:
+    from slipstream.kwargs import GradientAccumulationPlugin
+
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=each)
+    acc = Accelerator(gradient_accumulation_plugin=plugin)
+    set_seed(0)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(_dataset(16), batch_size=MICRO)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    reductions = {"count": 0}
+
+    def counting_hook(state, bucket):
+        reductions["count"] += 1
+        return (
+            dist.all_reduce(bucket.buffer().div_(acc.num_processes), async_op=True)
+            .get_future()
+            .then(lambda fut: fut.value()[0])
+        )
+
+    model.register_comm_hook(None, counting_hook)
+    for x, y, _index in loader:
+        with acc.accumulate(model):
+            acc.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    weights = [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+    return {"reductions": reductions["count"], "weights": weights}
+
+
+def test_sync_each_batch_reduces_every_micro_batch_with_the_same_result() -> None:
+    each = run_distributed(_sync_each_batch, True)[0]
+    cycle = run_distributed(_sync_each_batch, False)[0]
+    assert (each["reductions"], cycle["reductions"]) == (4, 2)  # 4 micro-batches, 2 steps
+    for a, b in zip(each["weights"], cycle["weights"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _deepspeed_with_sync_each_batch() -> str:
+    from slipstream import DeepSpeedPlugin
+    from slipstream.kwargs import GradientAccumulationPlugin
+
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
+    try:
+        Accelerator(deepspeed_plugin=DeepSpeedPlugin(), gradient_accumulation_plugin=plugin)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_sync_each_batch_is_refused_under_deepspeed() -> None:
+    assert "does not apply to DeepSpeed" in run_distributed(_deepspeed_with_sync_each_batch)[0]

@@ -1,14 +1,23 @@
-"""get_logger, find_executable_batch_size and notebook_launcher."""
+"""get_logger (slipstream.logging), find_executable_batch_size, notebook_launcher and
+debug_launcher."""
 
 from __future__ import annotations
 
 import io
 import logging
+import os
 
 import pytest
 import torch
 
-from slipstream import Accelerator, find_executable_batch_size, get_logger, notebook_launcher
+import slipstream.logging
+from slipstream import (
+    Accelerator,
+    debug_launcher,
+    find_executable_batch_size,
+    get_logger,
+    notebook_launcher,
+)
 from tests.distributed import run_distributed
 
 
@@ -78,3 +87,45 @@ def failing():
 def test_notebook_launcher_reports_a_failure():
     with pytest.raises(RuntimeError, match="a process failed"):
         notebook_launcher(failing, num_processes=2, use_cpu=True)
+
+
+def test_debug_launcher_runs_any_function_on_cpu_processes(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("SLIPSTREAM_LAUNCH_CONFIG", raising=False)
+    offset = 5  # a closure: the processes are forked, nothing is pickled
+
+    def local(scale):
+        acc = Accelerator()
+        total = acc.reduce(torch.tensor([float(acc.process_index + offset)]), "sum")
+        return acc.process_index, acc.device.type, total.item() * scale
+
+    assert debug_launcher(local, (2,)) == [(0, "cpu", 22.0), (1, "cpu", 22.0)]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0", "the caller's environment is restored"
+    assert "SLIPSTREAM_LAUNCH_CONFIG" not in os.environ
+    with pytest.raises(RuntimeError, match="a process failed"):
+        debug_launcher(failing, num_processes=2)
+
+
+def test_warning_once_logs_a_message_once(caplog):
+    logger = slipstream.logging.get_logger("slipstream.test.once", log_level="INFO")
+    with caplog.at_level(logging.WARNING, logger="slipstream.test.once"):
+        for _ in range(3):
+            logger.warning_once("deprecated: %s", "x")
+        logger.warning_once("deprecated: %s", "y")
+    assert caplog.messages == ["[rank 0] deprecated: x", "[rank 0] deprecated: y"]
+    assert caplog.records[0].filename == "test_logger_memory_notebook.py"
+
+
+def test_log_level_from_the_environment(monkeypatch):
+    root_level = logging.getLogger().level
+    try:
+        monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "error")
+        assert get_logger("slipstream.test.level").logger.level == logging.ERROR
+        monkeypatch.setenv("SLIPSTREAM_LOG_LEVEL", "debug")
+        assert get_logger("slipstream.test.level").logger.level == logging.DEBUG
+        assert get_logger("slipstream.test.level", log_level="WARNING").getEffectiveLevel() == (
+            logging.WARNING
+        )
+    finally:
+        logging.getLogger().setLevel(root_level)
+        logging.getLogger("slipstream.test.level").setLevel(logging.NOTSET)

@@ -1,0 +1,152 @@
+"""How an Accelerator is assembled from its arguments and the launcher's configuration:
+the process state it joins, accumulation bookkeeping, ``torch.compile`` settings and the
+strategy object. Kept apart from the facade so ``accelerator.py`` reads as the API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .compile import check_backend, normalise_backend
+from .kwargs import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    TorchDynamoPlugin,
+)
+from .parallel import ParallelismConfig
+from .state import ProcessState, current_state, has_current_state, set_current_state
+from .step import StepState
+from .strategies import (
+    DeepSpeedPlugin,
+    FullyShardedDataParallelPlugin,
+    Strategy,
+    available_strategies,
+    get_strategy_class,
+)
+
+#: distributed_type values in the launcher's configuration -> strategy registry names.
+STRATEGY_FOR_TYPE = {
+    "DEEPSPEED": "deepspeed",
+    "FSDP": "fsdp",
+    "MULTI_GPU": "ddp",
+    "MULTI_CPU": "ddp",
+    "NO": None,
+}
+
+
+def join_or_build_state(
+    cpu: bool | None, init_kwargs: InitProcessGroupKwargs, debug: bool | None
+) -> ProcessState:
+    """The process's state: the existing one (a later Accelerator of the same job joins
+    it), or a new one formed from the environment."""
+    if has_current_state():
+        state = current_state()
+        wants_cpu = bool(cpu) or bool(state.launch.launch_config.get("use_cpu", False))
+        if not wants_cpu or state.device.type == "cpu":
+            if debug is not None:
+                state.debug = debug
+            return state
+    state = ProcessState.from_environment(
+        cpu=cpu,
+        backend=init_kwargs.backend,
+        timeout=init_kwargs.timeout,
+        init_method=init_kwargs.init_method,
+        debug=debug,
+    )
+    set_current_state(state)
+    return state
+
+
+def build_step_state(
+    steps: int | None, plugin: GradientAccumulationPlugin | None, launch: dict[str, Any]
+) -> StepState:
+    """Accumulation bookkeeping from ``gradient_accumulation_steps`` or the plugin."""
+    if plugin is None:
+        if steps is None:
+            steps = int(launch.get("gradient_accumulation_steps", 1))
+        return StepState(gradient_accumulation_steps=steps)
+    if steps is not None:
+        raise ValueError(
+            "pass gradient_accumulation_steps or gradient_accumulation_plugin, not both: "
+            "put the steps in GradientAccumulationPlugin(num_steps=...)"
+        )
+    if plugin.num_steps is None:
+        raise ValueError("GradientAccumulationPlugin needs num_steps=N (micro-batches per step)")
+    return StepState(
+        gradient_accumulation_steps=plugin.num_steps,
+        sync_with_dataloader=plugin.sync_with_dataloader,
+        sync_each_batch=plugin.sync_each_batch,
+    )
+
+
+def build_dynamo_plugin(
+    backend: str | None, plugin: TorchDynamoPlugin | None, launch: dict[str, Any]
+) -> TorchDynamoPlugin:
+    """``torch.compile`` settings: the argument, else the launcher's ``dynamo_config``."""
+    if plugin is None:
+        dynamo = launch.get("dynamo_config") or {}
+        plugin = TorchDynamoPlugin(
+            backend=str(dynamo.get("dynamo_backend", "no")),
+            mode=dynamo.get("dynamo_mode"),
+            fullgraph=bool(dynamo.get("dynamo_use_fullgraph", False)),
+            dynamic=dynamo.get("dynamo_use_dynamic"),
+        )
+    if backend is not None:
+        plugin.backend = backend
+    plugin.backend = normalise_backend(plugin.backend)
+    check_backend(plugin)
+    return plugin
+
+
+def build_strategy(
+    name: str,
+    state: ProcessState,
+    launch: dict[str, Any],
+    handlers: dict[type, KwargsHandler],
+    *,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None,
+    deepspeed_plugin: DeepSpeedPlugin | None,
+    autocast: AutocastKwargs,
+    mixed_precision: str,
+    parallelism: ParallelismConfig | None,
+    gradient_accumulation_steps: int,
+    split_batches: bool,
+) -> Strategy:
+    """The strategy object ``name`` with its options from the arguments and the config."""
+    options: dict[str, Any] = {}
+    if name == "ddp":
+        ddp = handlers.get(DistributedDataParallelKwargs)
+        if isinstance(ddp, DistributedDataParallelKwargs):
+            options = ddp.ddp_options()
+            options.update(
+                comm_hook=ddp.comm_hook,
+                comm_wrapper=ddp.comm_wrapper,
+                comm_state_option=ddp.comm_state_option,
+            )
+    elif name in ("fsdp", "model_parallel"):
+        options = {
+            "plugin": fsdp_plugin
+            or FullyShardedDataParallelPlugin.from_config(launch.get("fsdp_config") or {}),
+            "mixed_precision": mixed_precision,
+            "convert_outputs_to_fp32": autocast.convert_outputs_to_fp32,
+        }
+        if name == "model_parallel":
+            options["parallelism"] = parallelism
+            if fsdp_plugin is None and not launch.get("fsdp_config"):
+                options["plugin"] = None  # the strategy's defaults (sharded checkpoints)
+    elif name == "deepspeed":
+        options = {
+            "plugin": deepspeed_plugin
+            or DeepSpeedPlugin.from_config(launch.get("deepspeed_config") or {}),
+            "mixed_precision": mixed_precision,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "split_batches": split_batches,
+        }
+    if name not in available_strategies():
+        raise ValueError(
+            f"distributed_type={launch.get('distributed_type')} needs the '{name}' strategy, "
+            "which this version of slipstream does not provide yet"
+        )
+    return get_strategy_class(name)(state, **options)
