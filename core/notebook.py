@@ -69,6 +69,15 @@ def notebook_launcher(
     if num_processes < 1:
         raise ValueError(f"num_processes must be at least 1, got {num_processes}")
     method = start_method or ("fork" if _in_notebook() else "spawn")
+    if method == "fork" and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A forked worker would inherit this process group, which it can neither use nor
+        # tear down (gloo's threads do not survive a fork).
+        raise RuntimeError(
+            "this process already has a torch.distributed process group (an Accelerator or "
+            "init_process_group ran here), so forked workers cannot form their own: create "
+            "the Accelerator only inside the launched function, or call "
+            "torch.distributed.destroy_process_group() before launching"
+        )
     export_for_workers(
         {"mixed_precision": mixed_precision, "use_cpu": use_cpu},
         {"CUDA_VISIBLE_DEVICES": ""} if use_cpu else {},

@@ -4,8 +4,9 @@ debug_launcher."""
 from __future__ import annotations
 
 import io
+import json
 import logging
-import os
+import textwrap
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from slipstream import (
     get_logger,
     notebook_launcher,
 )
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, run_python
 
 
 def _log_lines() -> str:
@@ -89,21 +90,62 @@ def test_notebook_launcher_reports_a_failure():
         notebook_launcher(failing, num_processes=2, use_cpu=True)
 
 
-def test_debug_launcher_runs_any_function_on_cpu_processes(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.delenv("SLIPSTREAM_LAUNCH_CONFIG", raising=False)
-    offset = 5  # a closure: the processes are forked, nothing is pickled
+_DEBUG_LAUNCHER_SCRIPT = textwrap.dedent(
+    """
+    import json, os
+    import torch
+    from slipstream import Accelerator, debug_launcher
 
-    def local(scale):
-        acc = Accelerator()
-        total = acc.reduce(torch.tensor([float(acc.process_index + offset)]), "sum")
-        return acc.process_index, acc.device.type, total.item() * scale
+    def main():
+        offset = 5  # a closure: the processes are forked, nothing is pickled
 
-    assert debug_launcher(local, (2,)) == [(0, "cpu", 22.0), (1, "cpu", 22.0)]
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0", "the caller's environment is restored"
-    assert "SLIPSTREAM_LAUNCH_CONFIG" not in os.environ
-    with pytest.raises(RuntimeError, match="a process failed"):
-        debug_launcher(failing, num_processes=2)
+        def local(scale):
+            acc = Accelerator()
+            total = acc.reduce(torch.tensor([float(acc.process_index + offset)]), "sum")
+            return acc.process_index, acc.device.type, total.item() * scale
+
+        def failing():
+            raise ValueError("boom")
+
+        results = debug_launcher(local, (2,))
+        try:
+            debug_launcher(failing, num_processes=2)
+            failure = None
+        except RuntimeError as error:
+            failure = str(error)
+        print(json.dumps({
+            "results": results, "failure": failure,
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "config": os.environ.get("SLIPSTREAM_LAUNCH_CONFIG"),
+        }))
+
+    main()
+    """
+)
+
+
+def test_debug_launcher_runs_any_function_on_cpu_processes():
+    # A fresh interpreter: the workers are forked, and this test process may hold a group.
+    result = run_python("-c", _DEBUG_LAUNCHER_SCRIPT, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["results"] == [[0, "cpu", 22.0], [1, "cpu", 22.0]]
+    assert "a process failed" in report["failure"] and "boom" in report["failure"]
+    assert report["visible"] == "0", "the caller's environment is restored"
+    assert report["config"] is None
+
+
+def test_forking_from_a_process_with_a_group_is_refused_before_starting_anything():
+    made_group = not torch.distributed.is_initialized()
+    if made_group:
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"already has a torch\.distributed process group"):
+            debug_launcher(failing, num_processes=2)
+    finally:
+        if made_group:
+            torch.distributed.destroy_process_group()
 
 
 def test_warning_once_logs_a_message_once(caplog):
