@@ -32,6 +32,7 @@ from .accelerator_setup import (
     build_step_state,
     build_strategy,
     join_or_build_state,
+    warn_about_rng_types,
 )
 from .active_loaders import ActiveLoaders
 from .callbacks import CallbackRunner
@@ -128,6 +129,10 @@ class Accelerator(
             :class:`slipstream.Callback`).
         gradient_accumulation_plugin: a :class:`GradientAccumulationPlugin` (accumulation
             steps plus when cycles end and whether every micro-batch synchronises).
+        rng_types: accepted for Accelerate scripts. Shuffles are seeded alike on every
+            process, so no RNG needs synchronising each epoch; asking for the global
+            ``"torch"``/``"cuda"`` RNGs warns (call ``synchronize_rng_states`` yourself
+            where identical random streams are wanted).
     """
 
     def __init__(
@@ -154,7 +159,9 @@ class Accelerator(
         save_on_preemption: bool | None = None,
         preemption_signals: str | Sequence[str] | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        rng_types: Sequence[str] | None = None,
     ) -> None:
+        warn_about_rng_types(rng_types)
         handlers = {type(h): h for h in kwargs_handlers or ()}
         for handler in kwargs_handlers or ():
             if not isinstance(handler, KwargsHandler):

@@ -4,6 +4,8 @@ strategy object. Kept apart from the facade so ``accelerator.py`` reads as the A
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from .compile import check_backend, normalise_backend
@@ -34,6 +36,25 @@ STRATEGY_FOR_TYPE = {
     "MULTI_CPU": "ddp",
     "NO": None,
 }
+
+
+def warn_about_rng_types(rng_types: Sequence[str] | None) -> None:
+    """Accelerate's ``rng_types`` synchronise RNGs each epoch so shuffles agree; slipstream's
+    shuffles are seeded alike on every process, so only a request for the global RNGs
+    (which would also make dropout identical on every process) changes anything."""
+    if rng_types is None:
+        return
+    if isinstance(rng_types, str):
+        rng_types = [rng_types]
+    global_rngs = sorted({str(r).lower() for r in rng_types} - {"generator"})
+    if global_rngs:
+        warnings.warn(
+            f"rng_types={list(rng_types)}: slipstream does not synchronise the {global_rngs} "
+            "RNG(s) every epoch (its shuffles are seeded alike on every process); call "
+            "slipstream.utils.synchronize_rng_states(" + repr(global_rngs) + ") where you "
+            "need identical random streams",
+            stacklevel=3,
+        )
 
 
 def join_or_build_state(

@@ -70,10 +70,10 @@ _add(
     DIFFERENT,
     "Accelerator",
     "the keywords are Accelerate's except torch_tp_plugin (use parallelism_config="
-    "ParallelismConfig(tp_size=...)), megatron_lm_plugin (Megatron-LM is not supported), "
-    "rng_types (samplers are seeded: nothing else needs synchronising) and deepspeed_plugins "
-    "(one DeepSpeedPlugin per Accelerator); adds even_batches, debug, callbacks, "
-    "save_on_preemption and preemption_signals; " + _KEYWORDS,
+    "ParallelismConfig(tp_size=...)), megatron_lm_plugin (Megatron-LM is not supported) and "
+    "deepspeed_plugins (one DeepSpeedPlugin per Accelerator); rng_types is accepted, but "
+    "samplers are seeded, so global RNGs are not synchronised each epoch (a warning says so); "
+    "adds even_batches, debug, callbacks, save_on_preemption and preemption_signals; " + _KEYWORDS,
 )
 _add(_BOTH, DIFFERENT, "DataLoaderConfiguration", _KEYWORDS)
 _add(
@@ -370,7 +370,7 @@ _add(LOGGING, SAME, "MultiProcessAdapter get_logger")
 _add(
     ACCELERATOR,
     SAME,
-    """accumulate backward check_trigger clear clip_grad_norm_ clip_grad_value_
+    """accumulate autocast backward check_trigger clear clip_grad_norm_ clip_grad_value_
     context_parallel_rank data_parallel_rank data_parallel_shard_rank deepspeed_plugin device
     dispatch_batches distributed_type end_training even_batches free_memory gather
     gather_for_metrics get_tracker gradient_accumulation_steps init_trackers is_fsdp2
@@ -389,7 +389,6 @@ _add_each(
     ACCELERATOR,
     DIFFERENT,
     {
-        "autocast": "takes enabled=, not an AutocastKwargs: pass AutocastKwargs in kwargs_handlers",
         "fp8_backend": 'the strings "TORCHAO" (fp8 training) or "NO"',
         "get_state_dict": "no unwrap: always the unwrapped model's",
         "is_composable_parallelism_enabled": (

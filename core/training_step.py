@@ -12,6 +12,7 @@ from torch import nn
 
 from .active_loaders import ActiveLoaders
 from .callbacks import CallbackRunner
+from .kwargs import AutocastKwargs
 from .optimizer import AcceleratedOptimizer, StepCoordinator
 from .precision import Precision
 from .state import ProcessState
@@ -157,9 +158,25 @@ class TrainingStepMixin:
         return context() if context is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def autocast(self, enabled: bool = True) -> Iterator[None]:
-        """Run the block under the mixed-precision autocast (no-op at full precision)."""
-        with self.precision.autocast(enabled=enabled):
+    def autocast(
+        self, autocast_handler: AutocastKwargs | None = None, *, enabled: bool = True
+    ) -> Iterator[None]:
+        """Run the block under the mixed-precision autocast (no-op at full precision).
+
+        ``autocast_handler`` (Accelerate's argument) overrides the Accelerator's
+        ``AutocastKwargs`` for this block: ``enabled=False`` turns autocast off,
+        ``cache_enabled`` sets torch's weight-cast cache.
+
+        Example::
+
+            with accelerator.autocast(AutocastKwargs(enabled=False)):
+                exact = model.head(features)   # fp32 here, under bf16/fp16 training
+        """
+        cache_enabled = None
+        if autocast_handler is not None:
+            enabled = enabled and autocast_handler.enabled
+            cache_enabled = autocast_handler.cache_enabled
+        with self.precision.autocast(enabled=enabled, cache_enabled=cache_enabled):
             yield
 
     def unscale_gradients(self, optimizer: AcceleratedOptimizer | None = None) -> None:

@@ -31,10 +31,11 @@ class AutocastPrecision(Precision):
         return self.dtype
 
     @contextlib.contextmanager
-    def autocast(self, enabled: bool = True) -> Iterator[None]:
+    def autocast(self, enabled: bool = True, cache_enabled: bool | None = None) -> Iterator[None]:
         kwargs: dict[str, Any] = {"dtype": self.dtype, "enabled": enabled and self.autocast_enabled}
-        if self.cache_enabled is not None:
-            kwargs["cache_enabled"] = self.cache_enabled
+        cache = self.cache_enabled if cache_enabled is None else cache_enabled
+        if cache is not None:
+            kwargs["cache_enabled"] = cache
         with torch.autocast(self.device.type, **kwargs):
             yield
 

@@ -56,7 +56,7 @@ class Precision:
         return torch.float32
 
     @contextlib.contextmanager
-    def autocast(self, enabled: bool = True) -> Iterator[None]:
+    def autocast(self, enabled: bool = True, cache_enabled: bool | None = None) -> Iterator[None]:
         yield
 
     def convert_model(self, model: nn.Module) -> nn.Module:

@@ -102,6 +102,27 @@ def test_autocast_context_and_options():
     assert raw.prepare(nn.Linear(2, 2))(torch.ones(1, 2)).dtype == torch.bfloat16
 
 
+def test_autocast_takes_accelerates_handler_for_one_block():
+    acc = Accelerator(mixed_precision="bf16")
+    with acc.autocast(AutocastKwargs(enabled=False)):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with acc.autocast(autocast_handler=AutocastKwargs(cache_enabled=False)):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+        assert not torch.is_autocast_cache_enabled()
+    with acc.autocast():
+        assert torch.is_autocast_cache_enabled()
+
+
+def test_rng_types_are_accepted_and_global_ones_warn():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Accelerator(rng_types=["generator"])  # what seeded shuffles already give: silent
+    with pytest.warns(UserWarning, match=r"synchronize_rng_states\(\['cuda', 'torch'\]\)"):
+        Accelerator(rng_types=["torch", "cuda"])
+
+
 def test_grad_scaler_options():
     acc = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
     assert acc.scaler.get_scale() == 1024.0
