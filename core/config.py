@@ -137,7 +137,7 @@ def _coerce(key: str, value: Any, annotation: str, where: str) -> Any:
     elif annotation.startswith("int"):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        if isinstance(value, str) and value.strip().lstrip("-").isdecimal():
             return int(value)
         expected = "an integer"
     elif annotation.startswith("float"):

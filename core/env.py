@@ -220,7 +220,7 @@ def mark_as_spawner() -> None:
 def spawner_pid() -> int | None:
     """The process that started this one as a copy of its script, if it said so."""
     raw = os.environ.get(SPAWNER_VARIABLE, "")
-    return int(raw) if raw.isdigit() else None
+    return int(raw) if raw.isdecimal() else None
 
 
 def provide_local_rank() -> None:

@@ -44,7 +44,7 @@ def signal_numbers(names: str | list[str] | tuple[str, ...]) -> list[int]:
     for item in (str(i).strip() for i in items):
         if not item:
             continue
-        if item.isdigit():
+        if item.isdecimal():
             numbers.append(int(item))
             continue
         name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()

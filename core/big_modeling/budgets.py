@@ -61,9 +61,9 @@ def normalize_device(device: DeviceLike, where: str = "device") -> Device:
             normalised = text
         elif text == "cuda":
             normalised = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        elif text.startswith("cuda:") and text[5:].isdigit():
+        elif text.startswith("cuda:") and text[5:].isdecimal():
             normalised = int(text[5:])
-        elif text.isdigit():
+        elif text.isdecimal():
             normalised = int(text)
     present = available_devices()
     if normalised is None or normalised not in present:

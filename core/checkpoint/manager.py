@@ -422,7 +422,7 @@ def _check_count(url: str, what: str, saved: int, prepared: int) -> None:
 
 def _is_automatic(url: str) -> bool:
     name = url.rstrip("/").rsplit("/", 1)[-1]
-    return name.startswith("checkpoint_") and name[len("checkpoint_") :].isdigit()
+    return name.startswith("checkpoint_") and name[len("checkpoint_") :].isdecimal()
 
 
 def _automatic_index(url: str) -> int:

@@ -85,18 +85,18 @@ class Questionnaire:
         lowered = {o.lower(): o for o in options}
 
         def check(answer: str) -> str | None:
-            if answer.lower() in lowered or (answer.isdigit() and int(answer) < len(options)):
+            if answer.lower() in lowered or (answer.isdecimal() and int(answer) < len(options)):
                 return None
             return f"'{answer}' is not one of: {', '.join(options)}"
 
         answer = self.text(f"{question} ({listing})", default, check)
-        return options[int(answer)] if answer.isdigit() else lowered[answer.lower()]
+        return options[int(answer)] if answer.isdecimal() else lowered[answer.lower()]
 
     def integer(
         self, question: str, default: int, minimum: int = 0, maximum: int | None = None
     ) -> int:
         def check(answer: str) -> str | None:
-            if not answer.lstrip("-").isdigit():
+            if not answer.lstrip("-").isdecimal():
                 return f"'{answer}' is not a whole number"
             value = int(answer)
             if value < minimum or (maximum is not None and value > maximum):
@@ -252,7 +252,7 @@ def _fsdp_questions(q: Questionnaire) -> dict[str, Any]:
 
 def _parallel_size(q: Questionnaire, question: str, default: int) -> int:
     def check(answer: str) -> str | None:
-        if not answer.lstrip("-").isdigit():
+        if not answer.lstrip("-").isdecimal():
             return f"'{answer}' is not a whole number"
         if int(answer) < 1 and int(answer) != -1:
             return f"{answer} is not a size: give 1 or more, or -1 for the processes left over"

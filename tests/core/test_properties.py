@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from slipstream.config import ConfigError, LaunchConfig, config_from_dict, load_config, save_config
@@ -58,6 +58,7 @@ ANY_VALUE = st.one_of(
         max_size=5,
     )
 )
+@example({"num_processes": "²"})  # a digit to str.isdigit, not to int()
 def test_arbitrary_configs_either_parse_or_raise_a_config_error(values):
     try:
         config_from_dict(values, where="fuzz.yaml")
