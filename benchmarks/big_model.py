@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import workers  # benchmarks/workers.py, beside this script
+from process_memory import reset_high_water_mark
 
 VARIANTS = ("offloaded", "in_memory")
 PROMPT = 16
@@ -44,11 +45,6 @@ def _status(field: str) -> int:
             if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _reset_high_water_mark() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
 
 
 def _config(quick: bool) -> Any:
@@ -75,7 +71,7 @@ def worker(variant: str, checkpoint: str, quick: bool, new_tokens: int) -> None:
     budget = sizes[""] // 4
     largest = max(sizes[f"model.layers.{i}"] for i in range(model.config.num_hidden_layers))
     largest = max(largest, sizes["model.embed_tokens"], sizes["lm_head"])
-    _reset_high_water_mark()
+    reset_high_water_mark()
     before = _status("VmRSS:")
     started = time.perf_counter()
     if variant == "offloaded":
@@ -99,7 +95,7 @@ def worker(variant: str, checkpoint: str, quick: bool, new_tokens: int) -> None:
 
     with torch.no_grad():
         generate(2)  # warm-up
-        _reset_high_water_mark()
+        reset_high_water_mark()
         started = time.perf_counter()
         tokens = generate(new_tokens)
         seconds = time.perf_counter() - started

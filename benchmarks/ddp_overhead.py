@@ -23,11 +23,7 @@ cold): in a real run one loop runs alone, so that switching cost is not part of 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
-import random
-import statistics
-import time
 from typing import Any
 
 import torch
@@ -191,85 +187,32 @@ def _generation(
     timed: int,
     wall: dict[str, list[float]],
     cpu: dict[str, list[float]],
-) -> dict[str, bool]:
+) -> tuple[dict[str, bool], None]:
     """Build every variant afresh and run the rounds; whether each ended with the
     hand-written loop's weights."""
     width, layers = SIZES[size]
     runs = [kind(width, layers, rounds * (WARMUP_STEPS + timed)) for kind in variants]
-    iterators = [iter(run.loader) for run in runs]
-    for round_index in range(rounds):
-        # Rotate which variant goes first so none always runs right after another.
-        shift = round_index % len(runs)
-        for index in list(range(shift, len(runs))) + list(range(shift)):
-            run, iterator = runs[index], iterators[index]
-            dist.barrier()
-            for _ in range(WARMUP_STEPS):
-                run.step(next(iterator))
-            for _ in range(timed):
-                batch = next(iterator)
-                start, start_cpu = time.perf_counter(), time.thread_time()
-                run.step(batch)
-                cpu[run.name].append(time.thread_time() - start_cpu)
-                wall[run.name].append(time.perf_counter() - start)
+    workers.time_rounds(runs, rounds, timed, WARMUP_STEPS, wall, cpu)
     reference = next(run for run in runs if run.name == "torch").weights()
-    return {
+    equal = {
         run.name: all(torch.equal(a, b) for a, b in zip(reference, run.weights(), strict=True))
         for run in runs
         if run.name != "torch"
     }
+    return equal, None
 
 
 def worker(size: str, generations: int, rounds: int, timed: int) -> None:
     dist.init_process_group("gloo")
-    variants = _variants()
-    wall: dict[str, list[float]] = {kind.name: [] for kind in variants}
-    cpu: dict[str, list[float]] = {kind.name: [] for kind in variants}
-    equal: dict[str, bool] = {kind.name: True for kind in variants[1:]}
-    shuffle = random.Random(0)  # the same order on every rank
-    for _ in range(generations):
-        # A fresh set of objects each generation, built (and rotated) in a different order,
-        # so that no variant keeps a lucky or unlucky memory layout or neighbour all run.
-        order = list(variants)
-        shuffle.shuffle(order)
-        for name, same in _generation(order, size, rounds, timed, wall, cpu).items():
-            equal[name] = equal[name] and same
-        gc.collect()
+    wall, cpu, equal, _ = workers.run_generations(
+        _variants(),
+        generations,
+        lambda order, wall, cpu: _generation(order, size, rounds, timed, wall, cpu),
+    )
     if dist.get_rank() == 0:
-        # Step i of a variant is compared with step i of the hand-written loop in the same
-        # round, against each of its two identical copies separately (a mean of two steps
-        # would not be distributed like one step), and the two median ratios are averaged;
-        # the control, the second copy, is compared with the first alone, which shows how
-        # far two identical loops differ on this machine.
-        def bases(name: str, measured: dict[str, list[float]]) -> list[list[float]]:
-            if name == "control":
-                return [measured["torch"]]
-            return [measured["torch"], measured["control"]]
-
-        report = {
-            "size": size,
-            "steps": len(wall["torch"]),
-            "medians": {name: statistics.median(values) for name, values in wall.items()},
-            "ratios": {
-                name: workers.median_ratio(values, bases(name, wall))
-                for name, values in wall.items()
-            },
-            "intervals": {
-                name: workers.median_ratio_interval(values, bases(name, wall), timed)
-                for name, values in wall.items()
-            },
-            # Main-thread CPU time per step above the hand-written loop's: the work the
-            # library itself adds, without the waiting on the other process.
-            "cpu_extra_us": {
-                name: 1e6
-                * statistics.fmean(
-                    statistics.median([v - b for v, b in zip(values, base, strict=True)])
-                    for base in bases(name, cpu)
-                )
-                for name, values in cpu.items()
-            },
-            "weights_equal": equal,
-        }
-        workers.report(report)
+        workers.report(
+            {"size": size, **workers.paired_statistics(wall, cpu, timed), "weights_equal": equal}
+        )
     dist.destroy_process_group()
 
 

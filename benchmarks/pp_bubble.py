@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import workers  # benchmarks/workers.py, beside this script
+from models import Block
 from torch import nn
 
 SCHEDULES = (
@@ -78,17 +79,6 @@ CASES = {(2, 4): (4, 3), (2, 8): (4, 2), (4, 8): (3, 2)}
 WARMUP_STEPS = 1
 # Units of "theory": forward, input gradient, weight gradient one each, a full backward both.
 UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "L": 0.0, "R": 0.0}
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
 # An action as recorded: (kind, stage index, micro-batch, end time, wall seconds, thread CPU

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import workers  # benchmarks/workers.py, beside this script
+from models import Block, llama
+from process_memory import reset_high_water_mark, status_mb, tensor_bytes
 from torch import nn
 
 # layout -> processes (all of them one pipeline; 1: no pipeline)
@@ -45,71 +46,6 @@ LAYOUTS = {"single": 1, "pp2": 2, "pp4": 4}
 MICROBATCHES = 4
 BATCH, SEQUENCE = 8, 16  # 8 samples per step: 4 micro-batches of 2
 STEPS = 3
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-def _llama(width: int, layers: int, vocabulary: int) -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=vocabulary,
-        hidden_size=width,
-        intermediate_size=3 * width,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=SEQUENCE,
-        tie_word_embeddings=False,  # the embedding and lm_head live on different stages
-    )
-    config._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(config)
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_high_water_mark() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
-def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the storages behind ``tensors``, each storage once."""
-    storages: dict[int, int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def _tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    parameters = list(model.parameters())
-    state = [
-        value
-        for per_parameter in optimizer.state.values()
-        for value in per_parameter.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    return {
-        "parameters": _storage_bytes(parameters),
-        "gradients": _storage_bytes([p.grad for p in parameters if p.grad is not None]),
-        "optimizer": _storage_bytes(state),
-    }
 
 
 def worker(layout: str, model_kind: str, width: int, depth: int, vocabulary: int) -> None:
@@ -125,16 +61,16 @@ def worker(layout: str, model_kind: str, width: int, depth: int, vocabulary: int
     if model_kind == "llama":
         import transformers  # noqa: F401  (its import is not the model's memory)
     # What the process holds before the model exists (Python, torch, the libraries).
-    before_model = _status_mb("VmRSS")
+    before_model = status_mb("VmRSS")
     torch.manual_seed(0)
     if model_kind == "llama":
-        model = _llama(width, depth, vocabulary)
+        model = llama(width, depth, vocabulary, SEQUENCE)
     else:
         model = nn.Sequential(*[Block(width) for _ in range(depth)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
-    _reset_high_water_mark()
-    samples = [_status_mb("VmRSS")]
+    reset_high_water_mark()
+    samples = [status_mb("VmRSS")]
     # The same batch on every process: a pipeline's processes all see the batch (the first
     # stage its inputs, the last its targets).
     generator = torch.Generator().manual_seed(0)
@@ -146,15 +82,15 @@ def worker(layout: str, model_kind: str, width: int, depth: int, vocabulary: int
         else:
             x = torch.randn(BATCH, SEQUENCE, width, generator=generator)
             accelerator.forward_backward(model, x, target=x, loss_fn=F.mse_loss)
-        samples.append(_status_mb("VmRSS"))
+        samples.append(status_mb("VmRSS"))
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        samples.append(_status_mb("VmRSS"))
+        samples.append(status_mb("VmRSS"))
         if step == STEPS - 1:
-            tensors = _tensor_bytes(accelerator.unwrap_model(model), optimizer.optimizer)
+            tensors = tensor_bytes(accelerator.unwrap_model(model), optimizer.optimizer)
         optimizer.zero_grad()
     # The kernel's high-water mark can miss short peaks; sampled values bound it too.
-    peak = max(_status_mb("VmHWM"), *samples)
+    peak = max(status_mb("VmHWM"), *samples)
     report = {"peak_mb": peak, "before_model_mb": before_model, "tensors": tensors}
     # One line from the main process: two ranks printing at once can interleave their output.
     reports = gather_object([report])

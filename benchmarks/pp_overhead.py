@@ -34,16 +34,13 @@ slipstream is compared with it too, paired the same way: the same work on both s
 from __future__ import annotations
 
 import argparse
-import gc
-import random
-import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import workers  # benchmarks/workers.py, beside this script
+from models import Block
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -81,17 +78,6 @@ SCHEDULE_CLASSES = {
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
 def _model(width: int, blocks: int) -> nn.Sequential:
@@ -250,21 +236,7 @@ def _generation(
     width, blocks = SIZES[size]
     steps = rounds * (WARMUP_STEPS + timed)
     runs = [kind(width, blocks, steps, schedule) for kind in variants]
-    iterators = [iter(run.loader) for run in runs]
-    for round_index in range(rounds):
-        # Rotate which variant goes first so none always runs right after another.
-        shift = round_index % len(runs)
-        for index in list(range(shift, len(runs))) + list(range(shift)):
-            run, iterator = runs[index], iterators[index]
-            dist.barrier()
-            for _ in range(WARMUP_STEPS):
-                run.step(next(iterator))
-            for _ in range(timed):
-                batch = next(iterator)
-                start, start_cpu = time.perf_counter(), time.thread_time()
-                run.step(batch)
-                cpu[run.name].append(time.thread_time() - start_cpu)
-                wall[run.name].append(time.perf_counter() - start)
+    workers.time_rounds(runs, rounds, timed, WARMUP_STEPS, wall, cpu)
     by_name = {run.name: run for run in runs}
     reference = by_name["torch"].weights()
     equal = {}
@@ -275,9 +247,7 @@ def _generation(
         same = weights.keys() == reference.keys() and all(
             torch.equal(reference[name], weights[name]) for name in reference
         )
-        flag = torch.tensor(int(same))
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # equal on every process
-        equal[run.name] = bool(flag.item())
+        equal[run.name] = workers.on_every_process(same)
     norm_difference = max(
         abs(float(a) - float(b)) / float(b)
         for a, b in zip(by_name["slipstream"].norms, by_name["torch"].norms, strict=True)
@@ -287,52 +257,18 @@ def _generation(
 
 def worker(schedule: str, size: str, generations: int, rounds: int, timed: int) -> None:
     dist.init_process_group("gloo")
-    variants = _variants()
-    wall: dict[str, list[float]] = {kind.name: [] for kind in variants}
-    cpu: dict[str, list[float]] = {kind.name: [] for kind in variants}
-    equal: dict[str, bool] = {kind.name: True for kind in variants[1:]}
-    norm_difference = 0.0
-    shuffle = random.Random(0)  # the same order on every rank
-    for _ in range(generations):
-        # A fresh set of objects each generation, built (and rotated) in a different order,
-        # so that no variant keeps a lucky or unlucky memory layout or neighbour all run.
-        order = list(variants)
-        shuffle.shuffle(order)
-        same, difference = _generation(order, schedule, size, rounds, timed, wall, cpu)
-        for name, value in same.items():
-            equal[name] = equal[name] and value
-        norm_difference = max(norm_difference, difference)
-        gc.collect()
+    wall, cpu, equal, differences = workers.run_generations(
+        _variants(),
+        generations,
+        lambda order, wall, cpu: _generation(order, schedule, size, rounds, timed, wall, cpu),
+    )
+    norm_difference = max(differences)
     if dist.get_rank() == 0:
-        # As in ddp_overhead.py: step i against step i of each hand-written copy in the same
-        # round, the two median ratios averaged; the control against the first copy alone.
-        def bases(name: str, measured: dict[str, list[float]]) -> list[list[float]]:
-            if name == "control":
-                return [measured["torch"]]
-            return [measured["torch"], measured["control"]]
-
         workers.report(
             {
                 "schedule": schedule,
                 "size": size,
-                "steps": len(wall["torch"]),
-                "medians": {name: statistics.median(values) for name, values in wall.items()},
-                "ratios": {
-                    name: workers.median_ratio(values, bases(name, wall))
-                    for name, values in wall.items()
-                },
-                "intervals": {
-                    name: workers.median_ratio_interval(values, bases(name, wall), timed)
-                    for name, values in wall.items()
-                },
-                "cpu_extra_us": {
-                    name: 1e6
-                    * statistics.fmean(
-                        statistics.median([v - b for v, b in zip(values, base, strict=True)])
-                        for base in bases(name, cpu)
-                    )
-                    for name, values in cpu.items()
-                },
+                **workers.paired_statistics(wall, cpu, timed),
                 # The same work on both sides: the loss handed to every process.
                 "vs_loss": workers.median_ratio(wall["slipstream"], [wall["torch+loss"]]),
                 "vs_loss_interval": workers.median_ratio_interval(

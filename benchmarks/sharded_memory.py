@@ -18,6 +18,7 @@ import os
 
 import torch
 import workers  # benchmarks/workers.py, beside this script
+from process_memory import reset_high_water_mark
 from torch import nn
 
 STRATEGIES = ("ddp", "fsdp", "zero3")
@@ -37,11 +38,6 @@ def _resident_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def _reset_high_water_mark() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
 
 
 def worker(strategy: str, width: int, layers: int) -> None:
@@ -85,7 +81,7 @@ def worker(strategy: str, width: int, layers: int) -> None:
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
-    _reset_high_water_mark()
+    reset_high_water_mark()
     baseline = _resident_mb()
     samples = [baseline]
     for _ in range(3):

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import workers  # benchmarks/workers.py, beside this script
-from torch import nn
+from models import Blocks, llama
+from process_memory import reset_high_water_mark, status_mb, tensor_bytes
 
 # layout -> (processes, ParallelismConfig sizes or None for plain DDP)
 LAYOUTS: dict[str, tuple[int, dict[str, int] | None]] = {
@@ -51,87 +51,6 @@ LAYOUTS: dict[str, tuple[int, dict[str, int] | None]] = {
 MLP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 BATCH, SEQUENCE = 4, 16
 STEPS = 3
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-class Blocks(nn.Module):
-    # As in a transformers model: the unit FSDP2 shards on its own.
-    _no_split_modules = ["Block"]
-
-    def __init__(self, width: int, blocks: int) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(blocks)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x)
-
-
-def _llama(width: int, layers: int, vocabulary: int) -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=vocabulary,
-        hidden_size=width,
-        intermediate_size=3 * width,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=SEQUENCE,
-        tie_word_embeddings=False,  # the plan splits the embedding and lm_head differently
-    )
-    config._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(config)
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_high_water_mark() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
-def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the storages behind ``tensors``' local parts, each storage once: a view into
-    a larger buffer (FSDP2's padded shards, DDP's bucket views) counts the whole buffer."""
-    from torch.distributed.tensor import DTensor
-
-    storages: dict[int, int] = {}
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def _tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    parameters = list(model.parameters())
-    state = [
-        value
-        for per_parameter in optimizer.state.values()
-        for value in per_parameter.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    return {
-        "parameters": _storage_bytes(parameters),
-        "gradients": _storage_bytes([p.grad for p in parameters if p.grad is not None]),
-        "optimizer": _storage_bytes(state),
-    }
 
 
 def worker(layout: str, model_kind: str, width: int, depth: int, vocabulary: int) -> None:
@@ -147,13 +66,15 @@ def worker(layout: str, model_kind: str, width: int, depth: int, vocabulary: int
         import transformers  # noqa: F401  (its import is not the model's memory)
     # What the process holds before the model exists (Python, torch, the libraries): the
     # model, its gradients and optimizer state are what a peak above this measures.
-    before_model = _status_mb("VmRSS")
+    before_model = status_mb("VmRSS")
     torch.manual_seed(0)
-    model = _llama(width, depth, vocabulary) if model_kind == "llama" else Blocks(width, depth)
+    model = (
+        llama(width, depth, vocabulary, SEQUENCE) if model_kind == "llama" else Blocks(width, depth)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
-    _reset_high_water_mark()
-    samples = [_status_mb("VmRSS")]
+    reset_high_water_mark()
+    samples = [status_mb("VmRSS")]
     # The same batch on every process: tensor-parallel peers must see the same samples, and
     # what the samples are does not change the memory.
     generator = torch.Generator().manual_seed(0)
@@ -165,17 +86,17 @@ def worker(layout: str, model_kind: str, width: int, depth: int, vocabulary: int
         else:
             x = torch.randn(BATCH, SEQUENCE, width, generator=generator)
             loss = F.mse_loss(model(x), x)
-        samples.append(_status_mb("VmRSS"))
+        samples.append(status_mb("VmRSS"))
         accelerator.backward(loss)
-        samples.append(_status_mb("VmRSS"))
+        samples.append(status_mb("VmRSS"))
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        samples.append(_status_mb("VmRSS"))
+        samples.append(status_mb("VmRSS"))
         if step == STEPS - 1:
-            tensors = _tensor_bytes(accelerator.unwrap_model(model), optimizer.optimizer)
+            tensors = tensor_bytes(accelerator.unwrap_model(model), optimizer.optimizer)
         optimizer.zero_grad()
     # The kernel's high-water mark can miss short peaks; sampled values bound it too.
-    peak = max(_status_mb("VmHWM"), *samples)
+    peak = max(status_mb("VmHWM"), *samples)
     report = {"peak_mb": peak, "before_model_mb": before_model, "tensors": tensors}
     # One line from the main process: two ranks printing at once can interleave their output.
     reports = gather_object([report])

@@ -34,10 +34,6 @@ clip costs).
 from __future__ import annotations
 
 import argparse
-import gc
-import random
-import statistics
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import workers  # benchmarks/workers.py, beside this script
+from models import Blocks
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
@@ -66,29 +63,6 @@ PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 # and the weights of the two loops stay bitwise comparable (two correct ways of summing the
 # norm round differently, which clipping would carry into the weights).
 MAX_NORM = 1e6
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-class Blocks(nn.Module):
-    # As in a transformers model: the unit FSDP2 shards on its own.
-    _no_split_modules = ["Block"]
-
-    def __init__(self, width: int, blocks: int) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(blocks)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x)
 
 
 def _model(width: int, blocks: int) -> Blocks:
@@ -310,21 +284,7 @@ def _generation(
     _, dp_shard, tp = LAYOUTS[layout]
     steps = rounds * (WARMUP_STEPS + timed)
     runs = [kind(width, blocks, steps, dp_shard, tp) for kind in variants]
-    iterators = [iter(run.loader) for run in runs]
-    for round_index in range(rounds):
-        # Rotate which variant goes first so none always runs right after another.
-        shift = round_index % len(runs)
-        for index in list(range(shift, len(runs))) + list(range(shift)):
-            run, iterator = runs[index], iterators[index]
-            dist.barrier()
-            for _ in range(WARMUP_STEPS):
-                run.step(next(iterator))
-            for _ in range(timed):
-                batch = next(iterator)
-                start, start_cpu = time.perf_counter(), time.thread_time()
-                run.step(batch)
-                cpu[run.name].append(time.thread_time() - start_cpu)
-                wall[run.name].append(time.perf_counter() - start)
+    workers.time_rounds(runs, rounds, timed, WARMUP_STEPS, wall, cpu)
     by_name = {run.name: run for run in runs}
     reference = by_name["torch"].weights()
     equal = {}
@@ -332,9 +292,7 @@ def _generation(
         if run.name == "torch":
             continue
         same = all(torch.equal(a, b) for a, b in zip(reference, run.weights(), strict=True))
-        flag = torch.tensor(int(same))
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # equal on every process
-        equal[run.name] = bool(flag.item())
+        equal[run.name] = workers.on_every_process(same)
     norm_difference = max(
         abs(float(a) - float(b)) / float(b)
         for a, b in zip(by_name["slipstream"].norms, by_name["torch"].norms, strict=True)
@@ -344,52 +302,18 @@ def _generation(
 
 def worker(layout: str, size: str, generations: int, rounds: int, timed: int) -> None:
     dist.init_process_group("gloo")
-    variants = _variants()
-    wall: dict[str, list[float]] = {kind.name: [] for kind in variants}
-    cpu: dict[str, list[float]] = {kind.name: [] for kind in variants}
-    equal: dict[str, bool] = {kind.name: True for kind in variants[1:]}
-    norm_difference = 0.0
-    shuffle = random.Random(0)  # the same order on every rank
-    for _ in range(generations):
-        # A fresh set of objects each generation, built (and rotated) in a different order,
-        # so that no variant keeps a lucky or unlucky memory layout or neighbour all run.
-        order = list(variants)
-        shuffle.shuffle(order)
-        same, difference = _generation(order, layout, size, rounds, timed, wall, cpu)
-        for name, value in same.items():
-            equal[name] = equal[name] and value
-        norm_difference = max(norm_difference, difference)
-        gc.collect()
+    wall, cpu, equal, differences = workers.run_generations(
+        _variants(),
+        generations,
+        lambda order, wall, cpu: _generation(order, layout, size, rounds, timed, wall, cpu),
+    )
+    norm_difference = max(differences)
     if dist.get_rank() == 0:
-        # As in ddp_overhead.py: step i against step i of each hand-written copy in the same
-        # round, the two median ratios averaged; the control against the first copy alone.
-        def bases(name: str, measured: dict[str, list[float]]) -> list[list[float]]:
-            if name == "control":
-                return [measured["torch"]]
-            return [measured["torch"], measured["control"]]
-
         workers.report(
             {
                 "layout": layout,
                 "size": size,
-                "steps": len(wall["torch"]),
-                "medians": {name: statistics.median(values) for name, values in wall.items()},
-                "ratios": {
-                    name: workers.median_ratio(values, bases(name, wall))
-                    for name, values in wall.items()
-                },
-                "intervals": {
-                    name: workers.median_ratio_interval(values, bases(name, wall), timed)
-                    for name, values in wall.items()
-                },
-                "cpu_extra_us": {
-                    name: 1e6
-                    * statistics.fmean(
-                        statistics.median([v - b for v, b in zip(values, base, strict=True)])
-                        for base in bases(name, cpu)
-                    )
-                    for name, values in cpu.items()
-                },
+                **workers.paired_statistics(wall, cpu, timed),
                 "weights_equal": equal,
                 "norm_difference": norm_difference,
             }

@@ -2,8 +2,9 @@
 
 A worker prints each report as one ``BENCH {json}`` line (from one process only: two
 processes printing at once can interleave their lines); :func:`run_workers` starts the
-script under torchrun and returns the parsed reports. :func:`median_ratio` and
-:func:`median_ratio_interval` are the paired step-time statistics of the overhead scripts.
+script under torchrun and returns the parsed reports. The overhead scripts time their variants
+with :func:`run_generations` and :func:`time_rounds` and report :func:`paired_statistics`
+(built on :func:`median_ratio` and :func:`median_ratio_interval`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import random
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _PREFIX = "BENCH "
@@ -68,3 +70,112 @@ def median_ratio_interval(
         )
     estimates.sort()
     return estimates[int(0.025 * draws)], estimates[int(0.975 * draws) - 1]
+
+
+# -- paired step timing (the overhead scripts) ------------------------------------------------
+# A variant is an object with a ``name``, a ``loader`` and a ``step(batch)``; every generation
+# builds each variant afresh, and every round runs each of them (rotating which goes first)
+# for ``warmup`` untimed and ``timed`` timed steps.
+
+
+def time_rounds(
+    runs: list[Any],
+    rounds: int,
+    timed: int,
+    warmup: int,
+    wall: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+) -> None:
+    """Run the rounds, appending each timed step's wall and main-thread CPU seconds."""
+    import time
+
+    import torch.distributed as dist
+
+    iterators = [iter(run.loader) for run in runs]
+    for round_index in range(rounds):
+        # Rotate which variant goes first so none always runs right after another.
+        shift = round_index % len(runs)
+        for index in list(range(shift, len(runs))) + list(range(shift)):
+            run, iterator = runs[index], iterators[index]
+            dist.barrier()
+            for _ in range(warmup):
+                run.step(next(iterator))
+            for _ in range(timed):
+                batch = next(iterator)
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                run.step(batch)
+                cpu[run.name].append(time.thread_time() - start_cpu)
+                wall[run.name].append(time.perf_counter() - start)
+
+
+def on_every_process(same: bool) -> bool:
+    """Whether ``same`` holds on every process (a MIN all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor(int(same))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def run_generations(
+    variants: list[Any],
+    generations: int,
+    generation: Callable[[list[Any], dict[str, list[float]], dict[str, list[float]]], Any],
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, bool], list[Any]]:
+    """Run ``generation(order, wall, cpu)`` ``generations`` times; it returns
+    ``(weights equal per variant name, anything else)``. Returns the step times, whether
+    each variant (all but the first, the reference) always ended equal, and the extras."""
+    import gc
+
+    wall: dict[str, list[float]] = {kind.name: [] for kind in variants}
+    cpu: dict[str, list[float]] = {kind.name: [] for kind in variants}
+    equal = {kind.name: True for kind in variants[1:]}
+    extras = []
+    shuffle = random.Random(0)  # the same order on every rank
+    for _ in range(generations):
+        # A fresh set of objects each generation, built (and rotated) in a different order,
+        # so that no variant keeps a lucky or unlucky memory layout or neighbour all run.
+        order = list(variants)
+        shuffle.shuffle(order)
+        same, extra = generation(order, wall, cpu)
+        for name, value in same.items():
+            equal[name] = equal[name] and value
+        extras.append(extra)
+        gc.collect()
+    return wall, cpu, equal, extras
+
+
+def paired_statistics(
+    wall: dict[str, list[float]], cpu: dict[str, list[float]], timed: int
+) -> dict[str, Any]:
+    """The report's step statistics. Step i of a variant is compared with step i of the
+    hand-written loop ("torch") in the same round, against each of its two identical copies
+    ("torch" and "control") separately (a mean of two steps would not be distributed like
+    one step), and the two median ratios are averaged; the control is compared with the
+    first copy alone, which shows how far two identical loops differ on this machine.
+    ``cpu_extra_us`` is the main-thread CPU time per step above the hand-written loop's:
+    the work the library itself adds, without the waiting on the other process."""
+
+    def bases(name: str, measured: dict[str, list[float]]) -> list[list[float]]:
+        if name == "control":
+            return [measured["torch"]]
+        return [measured["torch"], measured["control"]]
+
+    return {
+        "steps": len(wall["torch"]),
+        "medians": {name: statistics.median(values) for name, values in wall.items()},
+        "ratios": {name: median_ratio(values, bases(name, wall)) for name, values in wall.items()},
+        "intervals": {
+            name: median_ratio_interval(values, bases(name, wall), timed)
+            for name, values in wall.items()
+        },
+        "cpu_extra_us": {
+            name: 1e6
+            * statistics.fmean(
+                statistics.median([v - b for v, b in zip(values, base, strict=True)])
+                for base in bases(name, cpu)
+            )
+            for name, values in cpu.items()
+        },
+    }

@@ -8,10 +8,17 @@ import pytest
 
 from tests.distributed import REPO, run_python
 
-# run.py runs all of them (workers.py is their shared launcher); each script is smoke-tested
-# on its own here. gpu_check.py (with its checks module) is no benchmark but the GPU readiness
-# check: test_gpu_check.py runs it.
-NOT_BENCHMARKS = {"run.py", "workers.py", "gpu_check.py", "gpu_check_cases.py"}
+# run.py runs all of them (workers.py, models.py and process_memory.py are their shared
+# helpers); each script is smoke-tested on its own here. gpu_check.py (with its checks
+# module) is no benchmark but the GPU readiness check: test_gpu_check.py runs it.
+NOT_BENCHMARKS = {
+    "run.py",
+    "workers.py",
+    "models.py",
+    "process_memory.py",
+    "gpu_check.py",
+    "gpu_check_cases.py",
+}
 SCRIPTS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if p.name not in NOT_BENCHMARKS)
 
 
