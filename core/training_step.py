@@ -55,16 +55,22 @@ class TrainingStepMixin:
         hooks = self.callbacks.callbacks
         if hooks:
             self.callbacks.call("on_before_backward", self, loss)
-        if self.step_state.gradient_accumulation_steps > 1:
-            loss = loss / self.step_state.loss_divisor
-        if self.precision.scales_loss:
-            loss = self.precision.scale_loss(loss)
+        loss = self._scaled_loss(loss)
         if self.strategy.plain_backward:
             loss.backward(**kwargs)
         else:
             self.strategy.backward(loss, **kwargs)
         if hooks:
             self.callbacks.call("on_after_backward", self)
+
+    def _scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as backward needs it: averaged over the accumulation cycle's
+        micro-batches and multiplied by the fp16 loss scale."""
+        if self.step_state.gradient_accumulation_steps > 1:
+            loss = loss / self.step_state.loss_divisor
+        if self.precision.scales_loss:
+            loss = self.precision.scale_loss(loss)
+        return loss
 
     def forward_backward(
         self,
@@ -110,16 +116,7 @@ class TrainingStepMixin:
         hooks = self.callbacks.callbacks
         if hooks:  # forward and backward interleave: there is no loss before backward yet
             self.callbacks.call("on_before_backward", self, None)
-        divisor = (
-            self.step_state.loss_divisor if self.step_state.gradient_accumulation_steps > 1 else 1
-        )
-        precision = self.precision
-
-        def scale(loss: torch.Tensor) -> torch.Tensor:
-            loss = loss / divisor if divisor != 1 else loss
-            return precision.scale_loss(loss) if precision.scales_loss else loss
-
-        loss = pipeline.train(inputs, target, loss_fn, scale)
+        loss = pipeline.train(inputs, target, loss_fn, self._scaled_loss)
         if hooks:
             self.callbacks.call("on_after_backward", self)
         return loss

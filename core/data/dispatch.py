@@ -63,8 +63,8 @@ def dispatched_batches(
     per_process: int,
     even_batches: bool = True,
     drop_last: bool = False,
-) -> Iterator[tuple[Any, int | None, bool]]:
-    """``(this process's slice, real rows of the global batch or None, last)`` for each
+) -> Iterator[tuple[Any, int | None]]:
+    """``(this process's slice, real rows of the global batch or None)`` for each
     global batch that the main process reads from ``source`` (other processes pass
     ``None``). A collective: every data-parallel process must iterate it."""
     from ..collectives import broadcast_object_list
@@ -98,8 +98,8 @@ def dispatched_batches(
         if real is not None and not even_batches:
             share = -(-rows // world)
             start = min(rows, index * share)
-            yield _take(batch, start, min(rows, start + share)), real, last
+            yield _take(batch, start, min(rows, start + share)), real
         else:
-            yield _take(batch, index * per_process, (index + 1) * per_process), real, last
+            yield _take(batch, index * per_process, (index + 1) * per_process), real
         if last:
             return

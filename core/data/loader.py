@@ -285,8 +285,8 @@ class PreparedDataLoader(DataLoader[Any]):
             )
         )
 
-    def _note_dispatched(self, batches: Iterator[tuple[Any, int | None, bool]]) -> Iterator[Any]:
-        for batch, real, _ in batches:
+    def _note_dispatched(self, batches: Iterator[tuple[Any, int | None]]) -> Iterator[Any]:
+        for batch, real in batches:
             self._notes.append(("global", real))
             yield batch
 

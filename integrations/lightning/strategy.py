@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import (
@@ -44,9 +43,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch.nn.parallel import DistributedDataParallel
 
 from slipstream import collectives
-from slipstream.env import LaunchEnvironment, mark_as_spawner, read_launch_environment
+from slipstream.env import mark_as_spawner
 from slipstream.parallel import ParallelismConfig, ParallelismConfigError
-from slipstream.state import ProcessState, set_current_state
+from slipstream.state import ProcessState
 from slipstream.step import StepState
 from slipstream.strategies import (
     DeepSpeedPlugin,
@@ -60,6 +59,7 @@ from .communication import CollectivesMixin
 from .metrics import EvaluationPasses, attach_exact_metrics
 from .options import ConfigInput, resolve_options
 from .precision import SlipstreamPrecision, is_default_plugin, to_slipstream_precision
+from .process_group import ProcessGroupMixin
 
 try:  # Lightning's glue for manual optimization under DDP (private, present in 2.x)
     from lightning.pytorch.overrides.distributed import prepare_for_backward
@@ -69,7 +69,7 @@ except ImportError:  # pragma: no cover - other Lightning versions
     _DDPForwardRedirection = None
 
 
-class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy):
+class SlipstreamStrategy(ProcessGroupMixin, CheckpointingMixin, CollectivesMixin, ParallelStrategy):
     """A Lightning ``ParallelStrategy`` running on slipstream's core.
 
     Args:
@@ -314,76 +314,6 @@ class SlipstreamStrategy(CheckpointingMixin, CollectivesMixin, ParallelStrategy)
                 "plugins=[...]); set it in one place"
             )
         self._precision_plugin = converted
-
-    # -- process group ----------------------------------------------------------------------------
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._watch_trainer_process()
-        self.setup_distributed()
-
-    def _watch_trainer_process(self) -> None:
-        """A process the Trainer started (spawned, or a script copy) ends when the process
-        that started it dies, instead of running on as an orphan."""
-        import multiprocessing
-        import os
-
-        from slipstream.env import spawner_pid
-        from slipstream.lifecycle import watch_parent
-
-        spawned = multiprocessing.parent_process() is not None  # start_method spawn/fork
-        copied = spawner_pid() is not None and spawner_pid() == os.getppid()  # popen
-        if spawned or copied:
-            watch_parent()
-
-    def setup_distributed(self) -> None:
-        """Join (or adopt) the process group through the core ProcessState."""
-        reset_seed()
-        self.set_world_ranks()
-        if self.state is not None and (
-            self.state.num_processes == 1 or torch.distributed.is_initialized()
-        ):
-            set_current_state(self.state)  # validate/test after fit: the same group
-            self._configure_mesh()
-            return
-        environment = self.cluster_environment
-        assert environment is not None
-        outer = read_launch_environment()
-        launch = LaunchEnvironment(
-            rank=self.global_rank,
-            world_size=self.world_size,
-            local_rank=self.local_rank,
-            local_world_size=max(1, self.num_processes),
-            master_addr=environment.main_address,
-            master_port=environment.main_port,
-            source="lightning",
-            launch_config=outer.launch_config,
-            debug=outer.debug,
-            restart_count=outer.restart_count,
-            agent_store=outer.agent_store,
-        )
-        state = ProcessState.from_environment(
-            launch=launch,
-            cpu=self.root_device.type != "cuda",
-            backend=self._process_group_backend,
-            timeout=self._timeout,
-        )
-        state.device = self.root_device  # Lightning's device choice (devices=[2, 3], ...)
-        set_current_state(state)
-        self.state = state
-        self._configure_mesh()
-
-    def _configure_mesh(self) -> None:
-        """Build the job's DeviceMesh now (the core strategy later finds the same one), so
-        the data-parallel coordinates exist for samplers and ``LightningModule.setup``, and
-        ``self.device_mesh`` works in the LightningModule as with Lightning's own
-        ModelParallelStrategy."""
-        if self.parallelism is None:
-            return
-        assert self.state is not None
-        mesh = self.state.configure_parallelism(self.parallelism)
-        module = self.lightning_module
-        if module is not None and hasattr(module, "_device_mesh"):
-            module._device_mesh = mesh.mesh
 
     # -- the core strategy ------------------------------------------------------------------------
     def _core_options(self, trainer: Any) -> dict[str, Any]:

@@ -147,7 +147,5 @@ def build_pipeline(
     model.__dict__.update(
         _pipeline=runtime,
         _pipeline_kind=layout.kind,
-        _pipeline_stages=[stage.submod for stage in stages],
-        _pipeline_assignment=assignment,
     )
     return model

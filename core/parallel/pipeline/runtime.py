@@ -51,6 +51,10 @@ class PipelinePlan:
             return [pp_rank, self.num_stages - 1 - pp_rank]
         return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
 
+    def rank_of(self, stage_index: int) -> int:
+        """The process of the pipeline that holds stage ``stage_index``."""
+        return next(r for r in range(self.pp) if stage_index in self.stages_of(r))
+
 
 def resolve_plan(
     pp: int, schedule: str, microbatches: int | None, stages_per_rank: int | None
@@ -99,16 +103,9 @@ class PipelineRuntime:
         self.stages = stages
         self.group = group
         self.plan = plan
-        indices = [stage.stage_index for stage in stages]
-        self.holds_first = 0 in indices
-        self.holds_last = plan.num_stages - 1 in indices
+        self.holds_last = any(stage.stage_index == plan.num_stages - 1 for stage in stages)
         # Which process of the pipeline group holds the last stage (the loss and outputs).
-        last_here = torch.tensor([1 if self.holds_last else 0])
-        everyone = [
-            torch.zeros(1, dtype=last_here.dtype) for _ in range(dist.get_world_size(group))
-        ]
-        dist.all_gather(everyone, last_here, group=group)
-        self.last_rank = int(torch.cat(everyone).argmax())
+        self.last_rank = plan.rank_of(plan.num_stages - 1)
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._reported: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
         self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -192,18 +189,21 @@ class PipelineRuntime:
 
     def _forward_in_order(self, inputs: tuple[Any, ...]) -> Any:
         """The whole batch through the stages one after the other (no micro-batches)."""
-        holder = {s: r for r in range(self.plan.pp) for s in self.plan.stages_of(r)}
         here = dist.get_rank(self.group)
         modules = {stage.stage_index: stage.submod for stage in self.stages}
         value: tuple[Any, ...] = inputs
         for index in range(self.plan.num_stages):
-            if holder[index] != here:
-                if index > 0 and holder[index - 1] == here:
-                    dist.send_object_list([value], group_dst=holder[index], group=self.group)
+            if self.plan.rank_of(index) != here:
+                if index > 0 and self.plan.rank_of(index - 1) == here:
+                    dist.send_object_list(
+                        [value], group_dst=self.plan.rank_of(index), group=self.group
+                    )
                 continue
-            if index > 0 and holder[index - 1] != here:
+            if index > 0 and self.plan.rank_of(index - 1) != here:
                 received: list[Any] = [None]
-                dist.recv_object_list(received, group_src=holder[index - 1], group=self.group)
+                dist.recv_object_list(
+                    received, group_src=self.plan.rank_of(index - 1), group=self.group
+                )
                 value = received[0]
             with torch.no_grad():
                 value = (modules[index](*value),)
