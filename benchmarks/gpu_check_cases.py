@@ -154,7 +154,7 @@ def stop_when_orphaned() -> None:
 def fresh_state() -> None:
     """Forget the previous check's Accelerator and free what it held (the process group of
     one process stays: every check on this device uses the same backend)."""
-    from slipstream.state import set_current_state
+    from slipstream.runtime.state import set_current_state
 
     set_current_state(None)
     gc.collect()
@@ -331,7 +331,7 @@ def check_environment(ctx: Context) -> Result:
 
 def check_device_placement(ctx: Context) -> Result:
     from slipstream import Accelerator, DistributedType, send_to_device
-    from slipstream.state import set_current_state
+    from slipstream.runtime.state import set_current_state
 
     acc = Accelerator()
     expected = ctx.device
@@ -512,7 +512,7 @@ def check_fp8_training(ctx: Context) -> Result:
 
 def check_torch_compile(ctx: Context) -> Result:
     from slipstream import Accelerator
-    from slipstream.compile import is_compiled
+    from slipstream.accelerator.compile import is_compiled
 
     # Inductor generates kernels (Triton on CUDA, C++ on the CPU); the quick mode on a CPU
     # uses aot_eager, the same dynamo and autograd path without a compiler run.
@@ -1077,13 +1077,13 @@ def check_multi_process(ctx: Context) -> Result:
 #: The suite's tests that only run with CUDA, and multi-process tests that must keep choosing
 #: the CPU on a machine with one GPU (two ranks would otherwise both take cuda:0).
 SUITE_TESTS = [
-    "tests/core/test_cuda.py",
-    "tests/core/test_precision.py::test_fp16_on_cuda_scales_and_steps",
-    "tests/core/test_precision.py::test_fp8_trains_on_a_supporting_gpu",
+    "tests/core/runtime/test_cuda.py",
+    "tests/core/precision/test_precision.py::test_fp16_on_cuda_scales_and_steps",
+    "tests/core/precision/test_precision.py::test_fp8_trains_on_a_supporting_gpu",
     "tests/core/parallel/test_context_parallel.py::test_context_parallel_attention_matches_one_process_on_two_gpus",
     "tests/test_distributed.py",
     "tests/core/strategies/test_ddp.py::test_ddp_matches_single_process_references",
-    "tests/core/test_launch.py::test_plain_torchrun_forms_one_group",
+    "tests/core/launcher/test_launch.py::test_plain_torchrun_forms_one_group",
 ]
 
 
@@ -1173,7 +1173,7 @@ def _scenario(name: str) -> dict[str, Any]:
 def rank_worker(scenarios: list[str]) -> int:
     """One rank of check_multi_process: run each scenario; rank 0 prints one line each."""
     stop_when_orphaned()
-    from slipstream.state import set_current_state
+    from slipstream.runtime.state import set_current_state
 
     rank = int(os.environ.get("RANK", "0"))
     for name in scenarios:

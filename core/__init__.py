@@ -9,7 +9,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -18,59 +17,59 @@ __version__ = "0.1.0"
 # ``import slipstream`` costs about as much as ``import torch`` (benchmarks/startup.py).
 _EXPORTS = {
     "Accelerator": "accelerator",
-    "AutocastKwargs": "kwargs",
+    "AutocastKwargs": "options.kwargs",
     "Callback": "callbacks",
     "CallbackError": "callbacks",
-    "CollectiveMismatchError": "debug",
-    "CompileError": "compile",
-    "DDPCommunicationHookType": "kwargs",
-    "DataLoaderConfiguration": "kwargs",
+    "CollectiveMismatchError": "runtime.errors",
+    "CompileError": "accelerator.compile",
+    "DDPCommunicationHookType": "options.kwargs",
+    "DataLoaderConfiguration": "options.kwargs",
     "DeepSpeedPlugin": "strategies",
-    "DistributedDataParallelKwargs": "kwargs",
-    "DistributedType": "state",
+    "DistributedDataParallelKwargs": "options.kwargs",
+    "DistributedType": "runtime.state",
     "DummyOptim": "strategies",
     "DummyScheduler": "strategies",
     "EarlyStopping": "callbacks",
     "FullyShardedDataParallelPlugin": "strategies",
-    "GradScalerKwargs": "kwargs",
-    "GradientAccumulationPlugin": "kwargs",
+    "GradScalerKwargs": "options.kwargs",
+    "GradientAccumulationPlugin": "options.kwargs",
     "GradientNormMonitor": "callbacks",
-    "InitProcessGroupKwargs": "kwargs",
+    "InitProcessGroupKwargs": "options.kwargs",
     "ParallelismConfig": "parallel",
-    "PartialState": "partial_state",
-    "PrepareError": "preparation",
-    "ProcessState": "state",
-    "ProfileKwargs": "kwargs",
-    "ProjectConfiguration": "kwargs",
+    "PartialState": "runtime.partial_state",
+    "PrepareError": "accelerator.preparation",
+    "ProcessState": "runtime.state",
+    "ProfileKwargs": "options.kwargs",
+    "ProjectConfiguration": "options.kwargs",
     "ThroughputMonitor": "callbacks",
     "TorchContextParallelConfig": "parallel",
-    "TorchDynamoPlugin": "kwargs",
+    "TorchDynamoPlugin": "options.kwargs",
     "TorchTensorParallelConfig": "parallel",
-    "broadcast": "collectives",
-    "broadcast_object_list": "collectives",
+    "broadcast": "runtime.collectives",
+    "broadcast_object_list": "runtime.collectives",
     "cpu_offload": "big_modeling",
     "cpu_offload_with_hook": "big_modeling",
-    "debug_launcher": "notebook",
+    "debug_launcher": "launcher.notebook",
     "disk_offload": "big_modeling",
     "dispatch_model": "big_modeling",
-    "find_executable_batch_size": "memory",
-    "gather": "collectives",
-    "gather_object": "collectives",
-    "get_logger": "logger",
+    "find_executable_batch_size": "utils.memory",
+    "gather": "runtime.collectives",
+    "gather_object": "runtime.collectives",
+    "get_logger": "logging",
     "infer_auto_device_map": "big_modeling",
     "init_empty_weights": "big_modeling",
     "init_on_device": "big_modeling",
-    "is_rich_available": "availability",
+    "is_rich_available": "utils.availability",
     "load_checkpoint_and_dispatch": "big_modeling",
     "load_checkpoint_in_model": "big_modeling",
-    "notebook_launcher": "notebook",
-    "pad_across_processes": "collectives",
-    "reduce": "collectives",
-    "release_memory": "memory",
-    "send_to_device": "tree",
-    "set_seed": "random",
+    "notebook_launcher": "launcher.notebook",
+    "pad_across_processes": "runtime.collectives",
+    "reduce": "runtime.collectives",
+    "release_memory": "utils.memory",
+    "send_to_device": "runtime.tree",
+    "set_seed": "runtime.random",
     "skip_first_batches": "data",
-    "synchronize_rng_states": "synchronize",
+    "synchronize_rng_states": "runtime.synchronize",
 }
 
 __all__ = [
@@ -133,12 +132,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'slipstream' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+    # The helper is imported here, not above: `import slipstream` alone loads no submodule.
+    from .runtime.lazy import import_export
+
+    return import_export(__name__, _EXPORTS, globals(), name)
 
 
 def __dir__() -> list[str]:

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from slipstream.state import set_current_state
+from slipstream.runtime.state import set_current_state
 from tests.distributed import REPO, s3_server
 
 # DeepSpeed JIT-compiles a small communication op on CPU the first time (about a minute);

@@ -19,8 +19,7 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..runtime.lazy import lazy_exports
 
 _EXPORTS = {
     "AlignDevicesHook": "hooks",
@@ -58,11 +57,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module 'slipstream.big_modeling' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -378,18 +378,8 @@ def cpu_offload(
     device = _execution_device(model, execution_device)
     if state_dict is None:
         state_dict = {n: t.detach().to("cpu") for n, t in model.state_dict().items()}
-    root = AlignDevicesHook(device, io_same_device=True, skip_keys=_skip_keys(model, None))
-    add_hook_to_module(model, root, append=True)
-    attach_align_device_hook(
-        model,
-        device,
-        offload=True,
-        weights_map=OffloadedWeightsLoader(state_dict=state_dict),
-        offload_buffers=offload_buffers,
-        skip_keys=_skip_keys(model, None),
-        preload_module_classes=preload_module_classes,
-    )
-    return model
+    weights = OffloadedWeightsLoader(state_dict=state_dict)
+    return _offload_through_hooks(model, device, weights, offload_buffers, preload_module_classes)
 
 
 def disk_offload(
@@ -428,15 +418,29 @@ def disk_offload(
         if name in weights:
             weights.check(name, tuple(tensor.shape))
     del tensors
-    root = AlignDevicesHook(device, io_same_device=True, skip_keys=_skip_keys(model, None))
-    add_hook_to_module(model, root, append=True)
+    return _offload_through_hooks(model, device, weights, offload_buffers, preload_module_classes)
+
+
+def _offload_through_hooks(
+    model: nn.Module,
+    device: torch.device,
+    weights: OffloadedWeightsLoader,
+    offload_buffers: bool,
+    preload_module_classes: list[str] | None,
+) -> nn.Module:
+    """Hooks that bring each layer's weights from ``weights`` to ``device`` for its forward
+    only, and return the model's outputs on the inputs' device."""
+    skip_keys = _skip_keys(model, None)
+    add_hook_to_module(
+        model, AlignDevicesHook(device, io_same_device=True, skip_keys=skip_keys), append=True
+    )
     attach_align_device_hook(
         model,
         device,
         offload=True,
         weights_map=weights,
         offload_buffers=offload_buffers,
-        skip_keys=_skip_keys(model, None),
+        skip_keys=skip_keys,
         preload_module_classes=preload_module_classes,
     )
     return model

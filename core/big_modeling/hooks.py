@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..tree import map_tensors
+from ..runtime.tree import map_tensors
 from .tensors import (
     assign_module_tensor,
     get_module_tensor,
@@ -470,7 +470,7 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def _default_execution_device() -> torch.device:
     """This process's device: the current state's, else the first GPU, else the CPU."""
-    from ..state import current_state, has_current_state, select_device
+    from ..runtime.state import current_state, has_current_state, select_device
 
     if has_current_state():
         return current_state().device

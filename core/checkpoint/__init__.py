@@ -5,14 +5,11 @@ Submodules are imported on first use, so ``import slipstream`` does not load fss
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..runtime.lazy import lazy_exports
 
 _EXPORTS = {
     "MARKER": "commit",
     "CheckpointError": "commit",
-    "Checkpointer": "manager",
-    "TrainingObjects": "manager",
     "Storage": "storage",
     "StorageError": "storage",
     "export_weights": "weights",
@@ -23,7 +20,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

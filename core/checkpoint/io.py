@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..state import ProcessState
+from ..runtime.state import ProcessState
 from .commit import CheckpointError
 from .serialization import load_object, load_tensors, save_object, save_tensors
 from .storage import Storage

@@ -20,18 +20,7 @@ from torch import nn
 if TYPE_CHECKING:
     from .io import CheckpointReader, CheckpointWriter
 
-#: Accelerate's names for the sharded parts of model ``i`` and optimizer ``i``.
-_MODEL_FOLDER = "pytorch_model_fsdp_{}"
-_OPTIMIZER_FOLDER = "optimizer_{}"
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
-
-
-def model_folder(index: int) -> str:
-    return _MODEL_FOLDER.format(index)
-
-
-def optimizer_folder(index: int) -> str:
-    return _OPTIMIZER_FOLDER.format(index)
 
 
 def clean_name(name: str) -> str:

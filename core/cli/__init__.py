@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError
+from ..options.errors import ConfigError
 from . import check, configure, environment, estimate_memory, merge_weights, migrate
 from . import launch as launch_command
 

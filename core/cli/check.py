@@ -1,6 +1,6 @@
 """``slipstream test``: run the built-in sanity checks under your configuration.
 
-Launches :mod:`slipstream.sanity_check` on every process exactly as ``slipstream launch``
+Launches :mod:`slipstream.cli.sanity_check` on every process exactly as ``slipstream launch``
 would run a training script, and reports pass/fail per check.
 """
 
@@ -17,11 +17,11 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch import LaunchRequest, launch
+    from ..launcher.launch import LaunchRequest, launch
     from .launch import register as register_launch
     from .launch import resolve_config
 
-    # Resolve exactly as `slipstream launch --config_file ... slipstream.sanity_check` would.
+    # Resolve exactly as `slipstream launch --config_file ... slipstream.cli.sanity_check` would.
     parser = argparse.ArgumentParser()
     register_launch(parser.add_subparsers())
     namespace = parser.parse_args(
@@ -34,6 +34,6 @@ def run(args: argparse.Namespace) -> int:
         f"running the sanity checks on {config.num_processes} process(es) "
         f"({config.distributed_type}, mixed_precision={config.mixed_precision})"
     )
-    code = launch(LaunchRequest(config=config, script="slipstream.sanity_check", module=True))
+    code = launch(LaunchRequest(config=config, script="slipstream.cli.sanity_check", module=True))
     print("slipstream test: all checks passed" if code == 0 else "slipstream test: FAILED")
     return code

@@ -12,8 +12,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import MIXED_PRECISION, ConfigError, config_from_dict, load_config, save_config
-from ..env import default_config_file
+from ..launcher.config import (
+    MIXED_PRECISION,
+    ConfigError,
+    config_from_dict,
+    gpu_count,
+    load_config,
+    save_config,
+    write_basic_config,
+)
+from ..runtime.env import default_config_file
 
 Ask = Callable[[str], str]
 Say = Callable[[str], None]
@@ -125,12 +133,6 @@ class Questionnaire:
         return answer.lower() in ("y", "yes", "true")
 
 
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _dynamo_check(answer: str) -> str | None:
     import torch._dynamo
 
@@ -151,7 +153,7 @@ def ask_questions(q: Questionnaire) -> dict[str, Any]:
     values["distributed_type"] = {"no": "NO", "multi-CPU": "MULTI_CPU", "multi-GPU": "MULTI_GPU"}[
         machine
     ]
-    values["use_cpu"] = machine == "multi-CPU" or (machine == "no" and _gpu_count() == 0)
+    values["use_cpu"] = machine == "multi-CPU" or (machine == "no" and gpu_count() == 0)
     if machine != "no":
         values["num_machines"] = q.integer("How many machines will you use?", 1, minimum=1)
         if values["num_machines"] > 1:
@@ -178,7 +180,7 @@ def ask_questions(q: Questionnaire) -> dict[str, Any]:
         values["distributed_type"] = "FSDP"
         values["fsdp_config"] = _fsdp_questions(q)
     if machine != "no":
-        suggested = max(2, _gpu_count()) if machine == "multi-GPU" else 2
+        suggested = max(2, gpu_count()) if machine == "multi-GPU" else 2
         per_machine = q.integer("How many processes per machine?", suggested, minimum=1)
         values["num_processes"] = per_machine * int(values.get("num_machines", 1))
     # DeepSpeed shards over every process itself, so a layout only makes sense without it.
@@ -305,31 +307,6 @@ def _parallelism_questions(q: Questionnaire, num_processes: int) -> dict[str, An
             "(sequence parallelism)?"
         )
     return block
-
-
-def write_basic_config(
-    mixed_precision: str = "no", save_location: str | Path | None = None
-) -> Path | bool:
-    """Write a config that uses every available device; False if the file already exists.
-
-    Example::
-
-        from slipstream.utils import write_basic_config
-        write_basic_config(mixed_precision="fp16")
-    """
-    path = Path(save_location) if save_location is not None else default_config_file()
-    if path.exists():
-        return False
-    gpus = _gpu_count()
-    values: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "MULTI_GPU" if gpus > 1 else "NO",
-        "num_processes": max(1, gpus),
-        "use_cpu": gpus == 0,
-        "mixed_precision": mixed_precision,
-    }
-    config, _ = config_from_dict(values, where="write_basic_config")
-    return save_config(config, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import platform
 import sys
 from typing import Any
 
-from ..env import default_config_file
+from ..runtime.env import default_config_file
 
 _OPTIONAL = ("numpy", "deepspeed", "lightning", "torchmetrics", "safetensors", "fsspec", "s3fs")
 
@@ -62,7 +62,7 @@ def report(config_file: str | None = None) -> str:
 
 def _layout_lines(path: str) -> list[str]:
     """The mesh a ``parallelism_config`` block gives (or why the file would not launch)."""
-    from ..config import ConfigError, load_config
+    from ..launcher.config import ConfigError, load_config
 
     try:
         layout = load_config(path)[0].parallel_layout()

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError
+from ..options.errors import ConfigError
 from .estimate_memory_parallel import (
     ParallelLayout,
     TensorParallelSplit,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError
+from ..options.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch import nn

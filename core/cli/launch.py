@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from ..config import (
+from ..launcher.config import (
     MIXED_PRECISION,
     ConfigError,
     LaunchConfig,
@@ -19,7 +19,7 @@ from ..config import (
     load_config,
     read_config_values,
 )
-from ..env import default_config_file
+from ..runtime.env import default_config_file
 
 # (flag, type, help) per group; top-level flags map to config keys of the same name.
 _TOP_LEVEL: dict[str, list[tuple[str, Any, str]]] = {
@@ -355,7 +355,7 @@ def _check_strategy_available(config: LaunchConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch import LaunchRequest, launch
+    from ..launcher.launch import LaunchRequest, launch
 
     config, notes = resolve_config(args)
     for note in notes:

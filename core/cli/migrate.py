@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..options.errors import ConfigError
 
 PYTHON = (".py",)
 SCRIPTS = (".sh", ".bash", ".zsh", ".mk", ".yaml", ".yml", ".slurm", ".sbatch", ".cfg", ".toml")

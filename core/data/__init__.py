@@ -1,19 +1,25 @@
-"""Sharded data loading: pure samplers with explicit (rank, world) and the loader wrapper."""
+"""Sharded data loading: pure samplers with explicit (rank, world) and the loader wrapper.
 
-from ..active_loaders import ActiveLoaders
-from .iterable import IterableDatasetShard
-from .loader import PreparedDataLoader
-from .prepare import DataLoaderPreparationError, prepare_data_loader, skip_first_batches
-from .samplers import SeedableRandomSampler, ShardedBatchSampler, SkipBatchSampler
+Names are imported from their modules on first use: the Accelerator holds an
+:class:`ActiveLoaders` without importing ``torch.utils.data`` (benchmarks/startup.py).
+"""
 
-__all__ = [
-    "ActiveLoaders",
-    "DataLoaderPreparationError",
-    "IterableDatasetShard",
-    "PreparedDataLoader",
-    "SeedableRandomSampler",
-    "ShardedBatchSampler",
-    "SkipBatchSampler",
-    "prepare_data_loader",
-    "skip_first_batches",
-]
+from __future__ import annotations
+
+from ..runtime.lazy import lazy_exports
+
+_EXPORTS = {
+    "ActiveLoaders": "active_loaders",
+    "DataLoaderPreparationError": "prepare",
+    "IterableDatasetShard": "iterable",
+    "PreparedDataLoader": "loader",
+    "SeedableRandomSampler": "samplers",
+    "ShardedBatchSampler": "samplers",
+    "SkipBatchSampler": "samplers",
+    "prepare_data_loader": "prepare",
+    "skip_first_batches": "prepare",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

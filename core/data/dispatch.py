@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..tree import map_tensors, replace_tensors, tensor_leaves
+from ..runtime.tree import map_tensors, replace_tensors, tensor_leaves
 
 if TYPE_CHECKING:
-    from ..state import ProcessState
+    from ..runtime.state import ProcessState
 
 _END = "__slipstream_end_of_data__"
 
@@ -67,7 +67,7 @@ def dispatched_batches(
     """``(this process's slice, real rows of the global batch or None)`` for each
     global batch that the main process reads from ``source`` (other processes pass
     ``None``). A collective: every data-parallel process must iterate it."""
-    from ..collectives import broadcast_object_list
+    from ..runtime.collectives import broadcast_object_list
 
     world, index = state.num_processes, state.process_index
     size = per_process * world

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
-from ..active_loaders import ActiveLoaders
-from ..state import ProcessState
-from ..tree import send_to_device
+from ..runtime.state import ProcessState
+from ..runtime.tree import send_to_device
+from .active_loaders import ActiveLoaders
 from .iterable import IterableDatasetShard
 from .samplers import SeedableRandomSampler, ShardedBatchSampler
 from .streaming import SelfShardedStream
@@ -117,7 +117,7 @@ class PreparedDataLoader(DataLoader[Any]):
     def _synchronise_generators(self, generators: list[torch.Generator | None]) -> None:
         # A custom sampler that draws from its own torch.Generator shuffles identically on
         # every rank once the generators agree; rank 0's state is the reference.
-        from ..collectives import broadcast
+        from ..runtime.collectives import broadcast
 
         for generator in generators:
             if generator is not None:

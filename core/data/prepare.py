@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from ..active_loaders import ActiveLoaders
-from ..state import ProcessState
+from ..runtime.state import ProcessState
+from .active_loaders import ActiveLoaders
 from .iterable import IterableDatasetShard
 from .loader import Dispatch, PreparedDataLoader
 from .samplers import (
@@ -76,7 +76,7 @@ def _agreed_seed(
         return int(data_seed)
     seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
     if state.num_processes > 1:
-        from ..collectives import broadcast
+        from ..runtime.collectives import broadcast
 
         value = torch.tensor([seed], dtype=torch.int64, device=state.device)
         seed = int(broadcast(value, from_process=0, state=state).item())

@@ -30,7 +30,7 @@ from .iterable import IterableDatasetShard
 from .samplers import _complete
 
 if TYPE_CHECKING:
-    from ..state import ProcessState
+    from ..runtime.state import ProcessState
 
 
 def can_shard_itself(dataset: Any, num_shards: int) -> bool:

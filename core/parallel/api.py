@@ -21,7 +21,7 @@ from .config import ParallelismConfig, ParallelismConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..state import DistributedType, ProcessState
+    from ..runtime.state import DistributedType, ProcessState
 
 
 class ParallelMixin:
@@ -74,7 +74,7 @@ class ParallelMixin:
         mesh = self.state.mesh
         if mesh is not None:
             return mesh.local_rank(dim)
-        from ..state import DistributedType
+        from ..runtime.state import DistributedType
 
         sharded = self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         if dim == "dp_shard" and sharded:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError
+from ..options.errors import ConfigError
 
 #: Mesh dimensions, outermost first (torchtitan's order). Data-parallel dims are
 #: ``dp_replicate`` and ``dp_shard``; processes that differ only in ``cp``, ``tp`` or ``pp``
@@ -44,6 +44,20 @@ PIPELINE_SCHEDULES = {
 }
 PIPELINE_BALANCE = ("parameters", "count")
 CONFIG_PREFIX = "parallelism_config_"
+#: Style names (transformers' spelling) -> which weight dimension they split, for checks.
+#: "out" = the output features of a Linear (its weight's dim 0), "in" = its input features.
+STYLE_SPLITS = {
+    "colwise": "out",
+    "colwise_gather_output": "out",
+    "colwise_rep": "out",
+    "rowwise": "in",
+    "rowwise_split_input": "in",
+    "rowwise_rep": "in",
+    "embedding_rowwise": "rows",
+    "embedding_colwise": "columns",
+    "sequence_parallel": None,
+    "replicate": None,
+}
 
 
 class ParallelismConfigError(ConfigError):
@@ -422,8 +436,6 @@ def schedule_name(name: str) -> str:
 def _check_style_names(key: str, plan: Mapping[str, str]) -> None:
     """Style names in a config block are checked when it is read, so a typo stops the
     launcher instead of every worker."""
-    from .tensor_parallel import STYLE_SPLITS
-
     for pattern, style in plan.items():
         if style not in STYLE_SPLITS:
             close = difflib.get_close_matches(style, list(STYLE_SPLITS), 1)

@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .config import MESH_DIMS, MeshSizes
+from .config import MESH_DIMS, MeshSizes, ParallelismConfig, ParallelismConfigError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
+
+    from ..runtime.state import ProcessState
 
 _ALWAYS_PRESENT = ("dp_replicate", "dp_shard")
 
@@ -110,3 +112,27 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         return f"ParallelMesh({self.sizes.describe()}, dims={self.dim_names})"
+
+
+def configure_parallelism(state: ProcessState, config: ParallelismConfig) -> ParallelMesh:
+    """Arrange the processes of ``state`` as ``config`` says and build the job's DeviceMesh
+    (once; it is kept on the state, where loaders and collectives find it).
+
+    A collective: every process must call it. Asking again for the same sizes returns the
+    existing mesh; asking for different ones is an error.
+    """
+    sizes = config.resolve(state.num_processes)
+    mesh = state.mesh
+    if mesh is not None:
+        assert isinstance(mesh, ParallelMesh)
+        if mesh.sizes != sizes:
+            raise ParallelismConfigError(
+                f"the processes are already arranged as {mesh.sizes.describe()}; a job "
+                f"has one layout, so {sizes.describe()} cannot be used as well. Create one "
+                "Accelerator per process, with one ParallelismConfig"
+            )
+    else:
+        state.ensure_process_group()
+        mesh = ParallelMesh(sizes, state.device.type)
+    state.set_layout(config, mesh)
+    return mesh

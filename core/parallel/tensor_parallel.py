@@ -22,26 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .config import ParallelismConfigError
+from .config import STYLE_SPLITS, ParallelismConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-#: Style names (transformers' spelling) -> which weight dimension they split, for checks.
-#: "out" = the output features of a Linear (its weight's dim 0), "in" = its input features.
-STYLE_SPLITS = {
-    "colwise": "out",
-    "colwise_gather_output": "out",
-    "colwise_rep": "out",
-    "rowwise": "in",
-    "rowwise_split_input": "in",
-    "rowwise_rep": "in",
-    "embedding_rowwise": "rows",
-    "embedding_colwise": "columns",
-    "sequence_parallel": None,
-    "replicate": None,
-}
 _HEAD_ATTRIBUTES = (
     "num_attention_heads",
     "num_key_value_heads",

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..nested import convert_to_fp32
+from ..runtime.nested import convert_to_fp32
 
 _ORIGINAL_FORWARD = "_slipstream_original_forward"
 # The (context, convert_outputs_to_fp32, convert_inputs) a forward was patched with.

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..tree import map_tensors
+from ..runtime.tree import map_tensors
 from .base import Precision, patch_forward_with
 
 

@@ -15,15 +15,11 @@ import torch
 from torch import nn
 
 from ..checkpoint import sharded
-from ..state import DistributedType, ProcessState
+from ..checkpoint.names import indexed_name, model_folder, optimizer_folder
+from ..runtime.state import DistributedType, ProcessState
 
 if TYPE_CHECKING:
     from ..checkpoint.io import CheckpointReader, CheckpointWriter
-
-
-def indexed_name(stem: str, index: int, suffix: str) -> str:
-    """Accelerate's file names: ``model.safetensors``, ``model_1.safetensors``, ..."""
-    return f"{stem}{'' if index == 0 else f'_{index}'}{suffix}"
 
 
 class Strategy:
@@ -131,7 +127,7 @@ class Strategy:
     ) -> Callable[[], None]:
         name = indexed_name("model", index, ".safetensors")
         target = self.unwrap_model(model)
-        part = sharded.model_folder(index)
+        part = model_folder(index)
         if not reader.storage.exists(reader.path(name)) and sharded.has_part(reader, part):
             # Saved sharded (FSDP, tensor parallel): read the shards back as whole tensors.
             sharded.check_shapes(target, reader, part)
@@ -150,7 +146,7 @@ class Strategy:
         self, optimizer: torch.optim.Optimizer, reader: CheckpointReader, index: int
     ) -> Callable[[], None]:
         name = indexed_name("optimizer", index, ".bin")
-        part = sharded.optimizer_folder(index)
+        part = optimizer_folder(index)
         if not reader.storage.exists(reader.path(name)) and sharded.has_part(reader, part):
             target = self.unwrap_model(self.owner_of(optimizer))
             return lambda: sharded.load_optimizer_part(target, optimizer, reader, part)

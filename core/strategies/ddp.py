@@ -32,7 +32,7 @@ class DDPStrategy(Strategy):
         **options: Any,
     ) -> None:
         super().__init__(state, **options)
-        from ..kwargs import DDPCommunicationHookType as Hook
+        from ..options.kwargs import DDPCommunicationHookType as Hook
 
         self.comm_hook = Hook(comm_hook or Hook.NO)
         self.comm_wrapper = Hook(comm_wrapper or Hook.NO)
@@ -65,7 +65,7 @@ class DDPStrategy(Strategy):
     def _register_comm_hook(self, model: nn.Module) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        from ..kwargs import DDPCommunicationHookType as Hook
+        from ..options.kwargs import DDPCommunicationHookType as Hook
 
         if self.comm_hook is Hook.NO:
             return

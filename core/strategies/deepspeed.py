@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from ..env import provide_local_rank
-from ..state import DistributedType, ProcessState
+from ..runtime.env import provide_local_rank
+from ..runtime.state import DistributedType, ProcessState
 from .base import Strategy
 from .deepspeed_plugin import DeepSpeedConfigError, DeepSpeedPlugin, DummyOptim, DummyScheduler
 
@@ -181,7 +181,7 @@ class DeepSpeedStrategy(Strategy):
         if self.compute_dtype == torch.float32:
             return
         from ..precision.base import patch_forward_with
-        from ..tree import map_tensors
+        from ..runtime.tree import map_tensors
 
         dtype = self.compute_dtype
         patch_forward_with(

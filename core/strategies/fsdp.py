@@ -18,9 +18,10 @@ import torch.distributed.fsdp
 from torch import nn
 
 from ..checkpoint import sharded
+from ..checkpoint.names import indexed_name, model_folder, optimizer_folder
 from ..checkpoint.sharded import clean_name
-from ..state import DistributedType, ProcessState
-from .base import Strategy, check_matching_weights, indexed_name, sync_module_states
+from ..runtime.state import DistributedType, ProcessState
+from .base import Strategy, check_matching_weights, sync_module_states
 from .fsdp_plugin import FullyShardedDataParallelPlugin
 
 if TYPE_CHECKING:
@@ -258,7 +259,7 @@ class FSDPStrategy(Strategy):
             return
         import torch.distributed.checkpoint as dcp
 
-        name = sharded.model_folder(index)
+        name = model_folder(index)
         dcp.save({"model": state_dict}, **sharded.dcp_writer_arguments(writer, name))
         writer.written.append(name)
 
@@ -267,7 +268,7 @@ class FSDPStrategy(Strategy):
     ) -> Callable[[], None]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        part = sharded.model_folder(index)
+        part = model_folder(index)
         if sharded.has_part(reader, part):
             sharded.check_shapes(model, reader, part)
             return lambda: sharded.load_model_part(model, reader, part)
@@ -293,7 +294,7 @@ class FSDPStrategy(Strategy):
         if self.plugin.sharded_state_dict:
             import torch.distributed.checkpoint as dcp
 
-            name = sharded.optimizer_folder(index)
+            name = optimizer_folder(index)
             state = sharded.optimizer_part(model, optimizer)
             dcp.save({"optimizer": state}, **sharded.dcp_writer_arguments(writer, name))
             writer.written.append(name)
@@ -312,7 +313,7 @@ class FSDPStrategy(Strategy):
         )
 
         model = self.owner_of(optimizer)
-        part = sharded.optimizer_folder(index)
+        part = optimizer_folder(index)
         if sharded.has_part(reader, part):
             return lambda: sharded.load_optimizer_part(model, optimizer, reader, part)
         full = reader.load_object(indexed_name("optimizer", index, ".bin"), "optimizer state")

@@ -26,8 +26,9 @@ from ..parallel.context_parallel import (
     check_context_parallel_model,
     check_context_parallel_supported,
 )
+from ..parallel.mesh import configure_parallelism
 from ..parallel.tensor_parallel import apply_tensor_parallel, check_divisible, resolve_plan
-from ..state import DistributedType, ProcessState
+from ..runtime.state import DistributedType, ProcessState
 from .base import sync_module_states
 from .fsdp import FSDPStrategy
 from .fsdp_plugin import FullyShardedDataParallelPlugin
@@ -76,7 +77,7 @@ class ModelParallelStrategy(FSDPStrategy):
             mixed_precision,
             convert_outputs_to_fp32,
         )
-        self.mesh = state.configure_parallelism(self.parallelism)
+        self.mesh = configure_parallelism(state, self.parallelism)
         # With one data-parallel process per TP group there is nothing to shard: FSDP would
         # only add copies and hooks (about a fifth of a step), so the model stays TP-only and
         # mixed precision runs under autocast instead of FSDP's policy.

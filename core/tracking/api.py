@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..callbacks import CallbackRunner
-from ..kwargs import ProjectConfiguration
-from ..state import ProcessState
+from ..options.kwargs import ProjectConfiguration
+from ..runtime.state import ProcessState
 from . import TRACKERS, GeneralTracker
 
 

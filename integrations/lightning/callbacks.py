@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 import torch
 
 from slipstream.checkpoint.weights import export_weights
-from slipstream.state import ProcessState
+from slipstream.runtime.state import ProcessState
 
 from .checkpoint_io import on_main
 from .metrics import EvaluationPasses, attach_exact_metrics

@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from slipstream import collectives
 from slipstream.checkpoint import CheckpointError, Storage
 from slipstream.checkpoint.commit import (
     MARKER,
@@ -38,7 +37,8 @@ from slipstream.checkpoint.commit import (
 )
 from slipstream.checkpoint.io import CheckpointReader, CheckpointWriter
 from slipstream.integrations.fsspec import FsspecCheckpointIO
-from slipstream.state import ProcessState
+from slipstream.runtime import collectives
+from slipstream.runtime.state import ProcessState
 
 T = TypeVar("T")
 

@@ -27,9 +27,9 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
-from slipstream.state import ProcessState
+from slipstream.checkpoint.names import indexed_name
+from slipstream.runtime.state import ProcessState
 from slipstream.strategies import Strategy
-from slipstream.strategies.base import indexed_name
 
 from . import checkpoint_io as ckpt
 

@@ -6,7 +6,7 @@ parallel layout puts several processes on the same samples); ``broadcast``, ``ba
 ``reduce_boolean_decision`` over every process.
 
 Mixed into :class:`~slipstream.integrations.lightning.SlipstreamStrategy`; ``self.state`` is
-the core :class:`~slipstream.state.ProcessState` once the process group is set up.
+the core :class:`~slipstream.runtime.state.ProcessState` once the process group is set up.
 
 Example::
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from slipstream import collectives
-from slipstream.state import ProcessState
+from slipstream.runtime import collectives
+from slipstream.runtime.state import ProcessState
 
 from .metrics import EvaluationPasses
 
@@ -45,7 +45,7 @@ def core_reduction(reduce_op: Any) -> str:
 
 
 class CollectivesMixin:
-    """Collectives through :mod:`slipstream.collectives` (no-ops before setup on one process)."""
+    """Collectives through :mod:`slipstream.runtime.collectives` (no-ops before setup on one process)."""
 
     state: ProcessState | None
     passes: EvaluationPasses

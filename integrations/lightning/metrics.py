@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-from slipstream.state import ProcessState
+from slipstream.runtime.state import ProcessState
 
 _ATTACHED = "_slipstream_lightning_exact"
 

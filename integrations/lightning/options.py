@@ -2,7 +2,7 @@
 
 Precedence is the same as the Accelerator's: call arguments (``kind=``,
 ``parallelism_config=``, plugins, options) > the ``config`` given to the strategy (a
-slipstream/Accelerate config file, a dict or a :class:`~slipstream.config.LaunchConfig`) >
+slipstream/Accelerate config file, a dict or a :class:`~slipstream.launcher.config.LaunchConfig`) >
 the configuration of ``slipstream launch`` (read from the launcher environment) > defaults
 (DDP, fp32). As with the Accelerator, a parallel layout (a ``ParallelismConfig`` or a
 ``parallelism_config:`` block) selects the core ``model_parallel`` strategy unless DeepSpeed
@@ -26,10 +26,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream.config import ConfigError, LaunchConfig, config_from_dict, read_config_values
-from slipstream.env import read_launch_environment
+from slipstream.launcher.config import (
+    ConfigError,
+    LaunchConfig,
+    config_from_dict,
+    read_config_values,
+)
 from slipstream.parallel import ParallelismConfig
 from slipstream.precision import canonical_mode
+from slipstream.runtime.env import read_launch_environment
 from slipstream.strategies import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
 #: The core strategies a Lightning run can use.

@@ -1,5 +1,5 @@
 """How the Lightning strategy joins its job: the process group through the core
-:class:`~slipstream.state.ProcessState` (or the one an earlier stage made), the job's
+:class:`~slipstream.runtime.state.ProcessState` (or the one an earlier stage made), the job's
 DeviceMesh for a parallel layout, and a watch on the process that started this one.
 
 Mixed into :class:`~slipstream.integrations.lightning.SlipstreamStrategy`, before Lightning's
@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 
-from slipstream.env import LaunchEnvironment, read_launch_environment
 from slipstream.parallel import ParallelismConfig
-from slipstream.state import ProcessState, set_current_state
+from slipstream.parallel.mesh import configure_parallelism
+from slipstream.runtime.env import LaunchEnvironment, read_launch_environment
+from slipstream.runtime.state import ProcessState, set_current_state
 
 
 class ProcessGroupMixin:
@@ -43,8 +44,8 @@ class ProcessGroupMixin:
         import multiprocessing
         import os
 
-        from slipstream.env import spawner_pid
-        from slipstream.lifecycle import watch_parent
+        from slipstream.launcher.lifecycle import watch_parent
+        from slipstream.runtime.env import spawner_pid
 
         spawned = multiprocessing.parent_process() is not None  # start_method spawn/fork
         copied = spawner_pid() is not None and spawner_pid() == os.getppid()  # popen
@@ -96,7 +97,7 @@ class ProcessGroupMixin:
         if self.parallelism is None:
             return
         assert self.state is not None
-        mesh = self.state.configure_parallelism(self.parallelism)
+        mesh = configure_parallelism(self.state, self.parallelism)
         module = self.lightning_module
         if module is not None and hasattr(module, "_device_mesh"):
             module._device_mesh = mesh.mesh

@@ -2,11 +2,11 @@
 (tensor-parallel inside FSDP2/HSDP) parallelism.
 
 The strategy is an adapter. The process group comes from
-:meth:`slipstream.state.ProcessState.from_environment`; wrapping, backward, ``no_sync``,
+:meth:`slipstream.runtime.state.ProcessState.from_environment`; wrapping, backward, ``no_sync``,
 clipping, state dicts and checkpoint layouts come from the same core strategy objects the
 Accelerator uses (:func:`slipstream.strategies.get_strategy_class`); collectives are
-:mod:`slipstream.collectives`. Nothing here implements a parallelism of its own: a parallel
-layout is arranged by :meth:`slipstream.state.ProcessState.configure_parallelism` and applied
+:mod:`slipstream.runtime.collectives`. Nothing here implements a parallelism of its own: a parallel
+layout is arranged by :func:`slipstream.parallel.mesh.configure_parallelism` and applied
 by the core ``model_parallel`` strategy, as with the Accelerator.
 
 Example::
@@ -42,11 +42,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 
-from slipstream import collectives
-from slipstream.env import mark_as_spawner
+from slipstream.optim.step import StepState
 from slipstream.parallel import ParallelismConfig, ParallelismConfigError
-from slipstream.state import ProcessState
-from slipstream.step import StepState
+from slipstream.runtime import collectives
+from slipstream.runtime.env import mark_as_spawner
+from slipstream.runtime.state import ProcessState
 from slipstream.strategies import (
     DeepSpeedPlugin,
     FullyShardedDataParallelPlugin,
@@ -77,7 +77,7 @@ class SlipstreamStrategy(ProcessGroupMixin, CheckpointingMixin, CollectivesMixin
             ``config`` or ``slipstream launch`` says (``distributed_type``, a
             ``parallelism_config`` block), else DDP.
         config: a slipstream/Accelerate config file, a dict of its keys, or a
-            :class:`~slipstream.config.LaunchConfig` (``distributed_type``,
+            :class:`~slipstream.launcher.config.LaunchConfig` (``distributed_type``,
             ``mixed_precision``, ``fsdp_config``, ``deepspeed_config``,
             ``parallelism_config``).
         parallelism_config: arrange the processes in a device mesh

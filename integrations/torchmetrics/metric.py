@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from slipstream import collectives
 from slipstream.data import ActiveLoaders, PreparedDataLoader
-from slipstream.state import ProcessState, current_state
+from slipstream.runtime import collectives
+from slipstream.runtime.state import ProcessState, current_state
 
 try:
     import torchmetrics

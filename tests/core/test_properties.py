@@ -12,7 +12,13 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from slipstream.config import ConfigError, LaunchConfig, config_from_dict, load_config, save_config
+from slipstream.launcher.config import (
+    ConfigError,
+    LaunchConfig,
+    config_from_dict,
+    load_config,
+    save_config,
+)
 from tests.distributed import run_distributed
 
 VALID_VALUES: dict[str, Any] = {
@@ -101,7 +107,7 @@ def _same_structure(a: Any, b: Any) -> bool:
 
 
 def _leaves(data: Any) -> list[torch.Tensor]:
-    from slipstream.tree import tensor_leaves
+    from slipstream.runtime.tree import tensor_leaves
 
     return tensor_leaves(data)
 

@@ -245,7 +245,7 @@ def test_all_names_are_registered():
 
 
 def test_configuration_from_a_config_file_dict_or_launch_config(tmp_path):
-    from slipstream.config import LaunchConfig
+    from slipstream.launcher.config import LaunchConfig
 
     path = tmp_path / "config.yaml"
     path.write_text(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.core.test_preemption import _orphans_after_killing
+from tests.core.runtime.test_preemption import _orphans_after_killing
 from tests.distributed import REPO
 
 pytest.importorskip("lightning")

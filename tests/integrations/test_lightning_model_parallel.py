@@ -20,8 +20,8 @@ import lightning.pytorch as pl
 
 import slipstream.integrations.lightning  # noqa: F401
 from slipstream import ParallelismConfig
-from slipstream.config import ConfigError
 from slipstream.integrations.lightning import REGISTERED, SlipstreamStrategy
+from slipstream.launcher.config import ConfigError
 from slipstream.parallel import ParallelismConfigError
 from slipstream.strategies import FullyShardedDataParallelPlugin
 from tests.distributed import REPO, run_python

@@ -95,7 +95,7 @@ def test_without_preparing_torchmetrics_counts_the_duplicates():
 def _without_accelerator() -> dict:
     from slipstream.data import prepare_data_loader
     from slipstream.integrations.torchmetrics import prepare_metric
-    from slipstream.state import ProcessState
+    from slipstream.runtime.state import ProcessState
 
     state = ProcessState.from_environment()
     logits, labels, _, _ = _data()
@@ -133,7 +133,7 @@ def test_updating_outside_a_prepared_loader_says_dedup_cannot_apply():
 def test_bad_input():
     from slipstream.data import prepare_data_loader
     from slipstream.integrations.torchmetrics import prepare_metric
-    from slipstream.state import ProcessState
+    from slipstream.runtime.state import ProcessState
 
     with pytest.raises(TypeError, match="takes a torchmetrics Metric"):
         prepare_metric(torch.nn.Linear(1, 1))

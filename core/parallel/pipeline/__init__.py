@@ -63,11 +63,29 @@ class _Pipelined:
             return self._pipeline.evaluate(inputs)[0]
         from transformers.modeling_outputs import CausalLMOutput
 
-        from ...training_step import model_loss
-
         loss_fn = model_loss(self) if labels is not None else None  # type: ignore[arg-type]
         logits, loss = self._pipeline.evaluate(inputs, labels, loss_fn)
         return CausalLMOutput(loss=loss, logits=logits)
+
+
+def model_loss(model: nn.Module) -> Callable[[Any, Any], torch.Tensor]:
+    """The loss a (pipelined) transformers model computes from logits and labels."""
+    compute = getattr(model, "loss_function", None)
+    config = getattr(model, "config", None)
+    if not callable(compute) or config is None:
+        raise ValueError(
+            "under pipeline parallelism forward_backward needs loss_fn=... (and target=...): "
+            "the last stage computes the loss from its outputs"
+        )
+    text = getattr(config, "get_text_config", None)
+    vocab_size = (text() if callable(text) else config).vocab_size
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels is None:
+            raise ValueError("forward_backward: the batch has no labels to compute the loss from")
+        return compute(logits=logits, labels=labels, vocab_size=vocab_size)
+
+    return loss
 
 
 def pipeline_inputs(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slipstream.config import load_config, save_config
+from slipstream.launcher.config import load_config, save_config
 from slipstream.utils import write_basic_config
 from tests.distributed import REPO, run_cli
 

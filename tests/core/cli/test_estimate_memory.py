@@ -26,7 +26,7 @@ from slipstream.cli.estimate_memory import (
     split_parameters,
 )
 from slipstream.cli.estimate_memory_parallel import ParallelLayout, ProcessShare
-from slipstream.config import ConfigError
+from slipstream.launcher.config import ConfigError
 from tests.distributed import run_cli
 
 FACTORIES = "tests.core.cli.model_factories"

@@ -13,7 +13,7 @@ import yaml
 
 from slipstream.cli import build_parser
 from slipstream.cli.launch import resolve_config
-from slipstream.config import ConfigError
+from slipstream.launcher.config import ConfigError
 from tests.distributed import REPO, run_cli
 
 FLAGS = (

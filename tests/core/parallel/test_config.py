@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream import ParallelismConfig
-from slipstream.config import ConfigError
+from slipstream.launcher.config import ConfigError
 from slipstream.parallel import MeshSizes, ParallelismConfigError, TorchContextParallelConfig
 
 

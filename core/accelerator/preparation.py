@@ -1,0 +1,241 @@
+"""The prepare() part of the Accelerator: models wrapped by the strategy, optimizers and
+schedulers wrapped to step together, dataloaders sharded, in any order and any number of
+calls, with clear errors for objects that cannot be prepared together."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..data.active_loaders import ActiveLoaders
+from ..extensions import find_preparer
+from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
+from ..optim.scheduler import AcceleratedScheduler
+from ..optim.step import StepState
+from ..options.kwargs import DataLoaderConfiguration, TorchDynamoPlugin
+from ..precision import Precision
+from ..runtime.state import ProcessState
+from ..strategies import DummyOptim, DummyScheduler, Strategy
+from .compile import compile_model
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from ..data.loader import PreparedDataLoader
+
+
+def _is_dataloader(obj: Any) -> bool:
+    # No DataLoader can exist unless torch.utils.data was imported: check without importing.
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and isinstance(obj, data.DataLoader)
+
+
+def _is_prepared_loader(obj: Any) -> bool:
+    loader = sys.modules.get("slipstream.data.loader")
+    return loader is not None and isinstance(obj, loader.PreparedDataLoader)
+
+
+class PrepareError(TypeError):
+    """``prepare()`` got objects it cannot prepare together."""
+
+
+def _is_scheduler(obj: Any) -> bool:
+    if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)):
+        return True
+    return isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer) and callable(
+        getattr(obj, "step", None)
+    )
+
+
+class PreparationMixin:
+    """prepare() and its one-object forms for the Accelerator."""
+
+    # Provided by the Accelerator.
+    state: ProcessState
+    strategy: Strategy
+    precision: Precision
+    step_state: StepState
+    coordinator: StepCoordinator
+    active_loaders: ActiveLoaders
+    dataloader_config: DataLoaderConfiguration
+    dynamo_plugin: TorchDynamoPlugin
+    device_placement: bool
+    step_scheduler_with_optimizer: bool
+    _models: list[nn.Module]
+    _optimizers: list[AcceleratedOptimizer]
+    _schedulers: list[AcceleratedScheduler]
+    _dataloaders: list[PreparedDataLoader]
+
+    def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers, in any order.
+
+        Models are placed on the device and wrapped for the active strategy, optimizers and
+        schedulers wrapped, dataloaders sharded; anything else is returned unchanged. The
+        results come back in the order given (a single object is returned as is).
+        """
+        if device_placement is not None and len(device_placement) != len(args):
+            raise PrepareError(
+                f"device_placement has {len(device_placement)} entries for {len(args)} objects; "
+                "give one bool per object"
+            )
+        self._check_prepare_arguments(args)
+        placements = list(device_placement or [self.device_placement] * len(args))
+        results: list[Any] = list(args)
+
+        # Objects an extension knows (e.g. torchmetrics metrics, which are nn.Modules too)
+        # are handed to it rather than treated as models.
+        extension = {i: p for i, obj in enumerate(args) if (p := find_preparer(obj)) is not None}
+        for i, preparer in extension.items():
+            results[i] = preparer.prepare(args[i], self)
+        model_slots = [
+            i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and i not in extension
+        ]
+        optimizer_slots = [
+            i for i, obj in enumerate(args) if isinstance(obj, (torch.optim.Optimizer, DummyOptim))
+        ]
+        if model_slots or optimizer_slots:
+            models = [args[i] for i in model_slots]
+            if self.strategy_autocasts:
+                models = [self.precision.convert_model(m) for m in models]
+            context: dict[str, Any] = {}
+            if getattr(self.strategy, "steps_in_backward", False):
+                # DeepSpeed builds its config from the batch size and schedulers it sees.
+                context = {
+                    "dataloaders": [a for a in args if _is_dataloader(a)] + list(self._dataloaders),
+                    "schedulers": [a for a in args if _is_scheduler(a)],
+                }
+            wrapped, optimizers = self.strategy.setup(
+                models,
+                [args[i] for i in optimizer_slots],
+                device_placement=[placements[i] for i in model_slots],
+                **context,
+            )
+            for slot, model in zip(model_slots, wrapped, strict=True):
+                if self.dynamo_plugin.backend != "no":
+                    model = compile_model(model, self.dynamo_plugin)
+                results[slot] = model
+                self._models.append(model)
+            for slot, optimizer in zip(optimizer_slots, optimizers, strict=True):
+                prepared = AcceleratedOptimizer(optimizer, self.coordinator, original=args[slot])
+                results[slot] = prepared
+                self._optimizers.append(prepared)
+
+        for i, obj in enumerate(args):
+            if _is_dataloader(obj):
+                results[i] = self.prepare_data_loader(obj, device_placement=placements[i])
+            elif _is_scheduler(obj):
+                results[i] = self.prepare_scheduler(obj)
+
+        return results[0] if len(results) == 1 else tuple(results)
+
+    @property
+    def strategy_autocasts(self) -> bool:
+        return getattr(self.strategy, "autocast_forward", True)
+
+    def _check_prepare_arguments(self, args: Sequence[Any]) -> None:
+        seen: set[int] = set()
+        for position, obj in enumerate(args):
+            if id(obj) in seen:
+                raise PrepareError(
+                    f"prepare() got the same {type(obj).__name__} twice (argument {position}); "
+                    "pass each object once"
+                )
+            seen.add(id(obj))
+            if isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler)) or _is_prepared_loader(
+                obj
+            ):
+                raise PrepareError(
+                    f"argument {position} ({type(obj).__name__}) was already prepared; pass the "
+                    "original object, or keep using the prepared one"
+                )
+            if any(obj is m for m in self._models):
+                raise PrepareError(
+                    f"argument {position} is a model that was already prepared; prepare each "
+                    "model once"
+                )
+        schedulers = [obj for obj in args if _is_scheduler(obj) and not isinstance(obj, nn.Module)]
+        optimizers_here = {
+            id(obj) for obj in args if isinstance(obj, (torch.optim.Optimizer, DummyOptim))
+        }
+        known = optimizers_here | {id(opt.optimizer) for opt in self._optimizers}
+        known |= {id(opt.original) for opt in self._optimizers}
+        for scheduler in schedulers:
+            inner = getattr(scheduler, "optimizer", None)
+            if isinstance(inner, AcceleratedOptimizer):
+                inner = inner.optimizer
+            if id(inner) not in known:
+                raise PrepareError(
+                    f"prepare() got a {type(scheduler).__name__} whose optimizer has not been "
+                    "prepared; pass the optimizer to prepare() too (in the same or an earlier "
+                    "call) so the scheduler steps with it"
+                )
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
+        """Prepare one model (see :meth:`prepare`)."""
+        placement = self.device_placement if device_placement is None else device_placement
+        return self.prepare(model, device_placement=[placement])
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        """Prepare one optimizer (see :meth:`prepare`)."""
+        return self.prepare(optimizer)
+
+    def prepare_data_loader(
+        self, data_loader: DataLoader[Any], device_placement: bool | None = None
+    ) -> PreparedDataLoader:
+        """Shard ``data_loader`` over the processes and place its batches on the device."""
+        from ..data.prepare import prepare_data_loader
+
+        self._check_prepare_arguments([data_loader])
+        placement = self.device_placement if device_placement is None else device_placement
+        if (
+            not self.dataloader_config.even_batches
+            and self.strategy.forward_is_collective
+            and self.state.data_parallel_size > 1
+        ):
+            warnings.warn(
+                "even_batches=False gives processes different numbers of batches, but with "
+                f"{self.strategy.name} every forward of a prepared model is a collective: a "
+                "process that runs out of batches leaves the others waiting. Keep "
+                "even_batches=True (gather_for_metrics drops the repeated samples), or do not "
+                "run the model on this loader's batches",
+                stacklevel=2,
+            )
+        prepared = prepare_data_loader(
+            data_loader,
+            state=self.state,
+            split_batches=self.dataloader_config.split_batches,
+            even_batches=self.dataloader_config.even_batches,
+            device_placement=placement,
+            non_blocking=self.dataloader_config.non_blocking,
+            active_loaders=self.active_loaders,
+            dispatch_batches=self.dataloader_config.dispatch_batches,
+            use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
+            data_seed=self.dataloader_config.data_seed,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap an LR scheduler so it steps with its prepared optimizer."""
+        self._check_prepare_arguments([scheduler])
+        inner = scheduler.optimizer
+        owners = [
+            opt
+            for opt in self._optimizers
+            if opt.optimizer is inner or opt is inner or opt.original is inner
+        ]
+        steps = 1 if self.dataloader_config.split_batches else self.state.data_parallel_size
+        prepared = AcceleratedScheduler(
+            scheduler,
+            owners,
+            self.step_state,
+            steps_per_optimizer_step=steps,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+        )
+        self._schedulers.append(prepared)
+        return prepared

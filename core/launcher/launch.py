@@ -1,0 +1,131 @@
+"""Start a training script on every process of a job, with torchrun's elastic agent.
+
+``slipstream launch`` resolves its configuration (flags > config file > defaults), hands it to
+the workers in one environment variable and runs ``torch.distributed.run`` in-process: the
+agent spawns the workers, restarts them (``max_restarts``), and stops all of them as soon as
+one fails. Multi-machine jobs use torchrun's c10d rendezvous (or its static one).
+
+Example::
+
+    request = LaunchRequest(LaunchConfig(num_processes=2, use_cpu=True), "train.py", [])
+    exit_code = launch(request)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from ..runtime.env import export_for_workers, is_set
+from .config import LaunchConfig
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What to run and how."""
+
+    config: LaunchConfig
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    #: Run ``script`` as a module (``python -m``).
+    module: bool = False
+    #: Run ``script`` as an executable, not with Python.
+    no_python: bool = False
+
+
+def torchrun_arguments(request: LaunchRequest) -> list[str]:
+    """The ``torchrun`` command line equivalent to ``request``."""
+    config = request.config
+    per_machine = config.num_processes // config.num_machines
+    args = [
+        f"--nproc_per_node={per_machine}",
+        f"--nnodes={config.num_machines}",
+        f"--max_restarts={config.max_restarts}",
+        f"--monitor_interval={config.monitor_interval}",
+    ]
+    if config.num_machines == 1 and config.main_process_port is None:
+        # torchrun picks a free port itself, without a race between choosing and binding.
+        args.append("--standalone")
+    elif config.num_machines == 1:
+        ip = config.main_process_ip or "127.0.0.1"
+        args += [f"--master_addr={ip}", f"--master_port={config.main_process_port}"]
+    elif config.rdzv_backend == "static":
+        args += [
+            "--rdzv_backend=static",
+            f"--node_rank={config.machine_rank}",
+            f"--master_addr={config.main_process_ip}",
+            f"--master_port={config.main_process_port or 29500}",
+        ]
+    else:
+        port = config.main_process_port or 29500
+        is_host = "true" if config.machine_rank == 0 else "false"
+        args += [
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={config.main_process_ip}:{port}",
+            f"--rdzv_id=slipstream-{port}",
+            f"--rdzv_conf=is_host={is_host}",
+        ]
+    if request.no_python:
+        return [*args, "--no_python", request.script, *request.script_args]
+    # Every worker runs through slipstream.launcher.worker, which records a crash for the summary.
+    target = ["--module", request.script] if request.module else [request.script]
+    return [*args, "--module", "slipstream.launcher.worker", *target, *request.script_args]
+
+
+def worker_variables(config: LaunchConfig) -> dict[str, str]:
+    """Extra variables for the workers: device visibility and CPU threads."""
+    extra: dict[str, str] = {}
+    if config.use_cpu:
+        extra["CUDA_VISIBLE_DEVICES"] = ""
+    elif config.gpu_ids not in ("all", ""):
+        extra["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
+    per_machine = config.num_processes // config.num_machines
+    # How long stopping workers get (after SIGTERM) before torchrun's agent kills them.
+    extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(config.termination_grace_period))
+    if not is_set("OMP_NUM_THREADS") and per_machine > 1:
+        # torchrun would use 1 thread per worker; on CPU share the cores instead.
+        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_machine))
+    return extra
+
+
+def launch(request: LaunchRequest) -> int:
+    """Run the job; returns the exit code (0 when every worker succeeded, 128 + N when the
+    launcher was stopped by signal N, :data:`REQUEUE_EXIT_CODE` when the workers saved a
+    checkpoint because the job was preempted)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from ..runtime.preemption import REQUEUE_EXIT_CODE, signal_numbers
+    from .lifecycle import forward_signals
+
+    config = request.config
+    export_for_workers(config.worker_settings(), worker_variables(config))
+    # torchrun's agent stops the workers on SIGTERM/SIGINT itself (then waits the grace
+    # period); other preemption signals (SLURM's SIGUSR1) go to the workers, who save.
+    death = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+    forward_signals([s for s in signal_numbers(config.preemption_signals) if s not in death])
+    torchrun_args = get_args_parser().parse_args(torchrun_arguments(request))
+    try:
+        run(torchrun_args)
+    except SignalException as stopped:
+        print(
+            f"slipstream launch: stopped by {signal.Signals(stopped.sigval).name}; the "
+            "workers were asked to stop",
+            file=sys.stderr,
+        )
+        return 128 + int(stopped.sigval)
+    except ChildFailedError as failure:
+        codes = [f.exitcode for f in failure.failures.values() if f.exitcode and f.exitcode > 0]
+        if codes and all(code == REQUEUE_EXIT_CODE for code in codes):
+            print(
+                "slipstream launch: the job was preempted; the workers saved a checkpoint "
+                f"and stopped (exit code {REQUEUE_EXIT_CODE}: requeue, then resume)",
+                file=sys.stderr,
+            )
+            return REQUEUE_EXIT_CODE
+        print(failure.format_msg(), file=sys.stderr)
+        return codes[0] if codes else 1
+    return 0

@@ -1,0 +1,114 @@
+"""What ``slipstream launch`` runs in each worker: the user's script or module, as
+``python script.py`` would, recording an uncaught exception in torchrun's error file.
+
+The launcher's failure summary then shows the traceback once, labelled with the rank.
+
+Usage (by the launcher)::
+
+    python -m slipstream.launcher.worker [--module] TARGET [ARGS...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+from ..runtime.env import error_file
+from .lifecycle import watch_parent
+
+# Messages of errors a rank gets because *another* rank died (gloo, NCCL, the TCP store).
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "failed to recv, got 0 bytes",
+)
+#: How long a rank hit by a peer's failure waits for the launcher to stop it, so the peer's
+#: own traceback (the real cause) is the one reported.
+PEER_FAILURE_GRACE_SECONDS = 5.0
+
+
+def caused_by_peer(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) says another process went away."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if any(marker in str(seen) for marker in _PEER_FAILURE_MARKERS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The traceback without this bootstrap's and runpy's frames."""
+    tb = error.__traceback__
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename
+    ):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+def _record(error: BaseException, path: str) -> None:
+    """Write the error file torchrun asked for, in torchelastic's documented format; the
+    launcher's failure summary prints it once, labelled with the rank."""
+    report = {
+        "message": {
+            "message": f"{type(error).__name__}: {error}",
+            "extraInfo": {
+                "py_callstack": _user_traceback(error),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    with open(path, "w") as handle:
+        json.dump(report, handle)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_module = bool(args) and args[0] == "--module"
+    if as_module:
+        args = args[1:]
+    if not args:
+        raise SystemExit("usage: python -m slipstream.launcher.worker [--module] TARGET [ARGS...]")
+    target = args[0]
+    sys.argv = [target, *args[1:]]
+    watch_parent()  # the launcher: if it dies, so does this worker
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every worker at once: stop quietly (the launcher reports it once)
+        # instead of a traceback from each rank.
+        sys.exit(128 + signal.SIGINT)
+    except BaseException as error:
+        from ..runtime.state import note_failure
+
+        note_failure()
+        path = error_file()
+        if path is None:
+            raise
+        if caused_by_peer(error):
+            time.sleep(PEER_FAILURE_GRACE_SECONDS)
+        _record(error, path)
+        from .config import ConfigError
+
+        # A configuration error (bad parallel sizes, say) is the user's input, like a bad
+        # flag: exit code 2, which the launcher passes on.
+        sys.exit(2 if isinstance(error, ConfigError) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Errors of collectives and process groups, and :func:`guarded`, which turns torch's
+low-level timeout and lost-peer errors into them. Both the process state and the collective
+checks raise these, so they live below both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "Broken pipe",
+    "failed to recv, got 0 bytes",
+)
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks called different collectives, or the same one with incompatible data."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than the process-group timeout for the other ranks."""
+
+
+class PeerProcessFailedError(RuntimeError):
+    """Another process of the job went away while this one waited for it."""
+
+
+@contextlib.contextmanager
+def guarded(operation: str, rank: int) -> Iterator[None]:
+    """Turn torch's low-level timeout / lost-peer errors into ones that say what to do."""
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        if "Timed out" in text or "timed out" in text or "Timeout" in text:
+            raise CollectiveTimeoutError(
+                f"collective '{operation}' on process {rank} timed out waiting for the other "
+                "processes. Usually one process skipped this call or called another collective; "
+                "rerun with `slipstream launch --debug` (or SLIPSTREAM_DEBUG=1) to see which "
+                f"process passed what. ({text.strip()[:200]})"
+            ) from error
+        if any(marker in text for marker in _PEER_GONE):
+            raise PeerProcessFailedError(
+                f"collective '{operation}' on process {rank} lost its peers: another process "
+                f"stopped (look for its traceback). ({text.strip()[:200]})"
+            ) from error
+        raise
