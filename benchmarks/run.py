@@ -1,7 +1,7 @@
 """Run every benchmark and write a report: a table on stdout, ``results/report.md`` and a
 chart of the ratios against their targets, ``results/ratios.png``.
 
-    python benchmarks/run.py            # full sizes (about 17 minutes on 2 cores)
+    python benchmarks/run.py            # full sizes (about 25 minutes on 2 cores)
     python benchmarks/run.py --quick    # smoke test of every script
 """
 
@@ -22,12 +22,14 @@ SCRIPTS = [
     "tp_overhead.py",
     "pp_overhead.py",
     "pp_bubble.py",
+    "ep_overhead.py",
     "startup.py",
     "gather_metrics.py",
     "checkpoint_io.py",
     "sharded_memory.py",
     "tp_memory.py",
     "pp_memory.py",
+    "ep_memory.py",
     "sharded_save.py",
     "stream_reads.py",
     "big_model.py",
@@ -39,6 +41,7 @@ TARGETS = [
     ("ddp_overhead.py", r"slipstream step", 1.01),
     ("tp_overhead.py", r"slipstream step", 1.02),
     ("pp_overhead.py", r"slipstream step", 1.02),
+    ("ep_overhead.py", r"slipstream step", 1.02),
     ("startup.py", r"import torch, slipstream", 1.05),
     ("startup.py", r"from slipstream import Accelerator", 1.05),
     ("startup.py", r"slipstream --help", 1.05),
@@ -55,6 +58,10 @@ TARGETS = [
     # A pipeline stage's parameters, gradients and optimizer state: about 1/P of the model.
     ("pp_memory.py", r"\bpp2 vs single per-process tensors", 0.60),
     ("pp_memory.py", r"\bpp4 vs single per-process tensors", 0.35),
+    # The expert weights a process gathers to compute: about 1/ep of FSDP2's (all experts).
+    ("ep_memory.py", r"\bep2 vs fsdp2 .* gathered", 0.55),
+    ("ep_memory.py", r"\bep2xdp2 vs fsdp4 .* gathered", 0.55),
+    ("ep_memory.py", r"\bep4 vs fsdp4 .* gathered", 0.30),
     ("sharded_save.py", r"sharded vs full", 1.0),
     # Streams read in parts, or by the main process alone: each sample read once in total.
     ("stream_reads.py", r"^sharded", 1.0),

@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # ``import slipstream`` costs about as much as ``import torch`` (benchmarks/startup.py).
 _EXPORTS = {
     "Accelerator": "accelerator",
+    "AcceleratorState": "accelerator.shared_state",
     "AutocastKwargs": "options.kwargs",
     "Callback": "callbacks",
     "CallbackError": "callbacks",
@@ -26,6 +27,7 @@ _EXPORTS = {
     "DataLoaderConfiguration": "options.kwargs",
     "DeepSpeedPlugin": "strategies",
     "DistributedDataParallelKwargs": "options.kwargs",
+    "DistributedOperationException": "runtime.errors",
     "DistributedType": "runtime.state",
     "DummyOptim": "strategies",
     "DummyScheduler": "strategies",
@@ -33,6 +35,7 @@ _EXPORTS = {
     "FullyShardedDataParallelPlugin": "strategies",
     "GradScalerKwargs": "options.kwargs",
     "GradientAccumulationPlugin": "options.kwargs",
+    "GradientState": "accelerator.shared_state",
     "GradientNormMonitor": "callbacks",
     "InitProcessGroupKwargs": "options.kwargs",
     "ParallelismConfig": "parallel",
@@ -74,6 +77,7 @@ _EXPORTS = {
 
 __all__ = [
     "Accelerator",
+    "AcceleratorState",
     "AutocastKwargs",
     "Callback",
     "CallbackError",
@@ -83,6 +87,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
+    "DistributedOperationException",
     "DistributedType",
     "DummyOptim",
     "DummyScheduler",
@@ -91,6 +96,7 @@ __all__ = [
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "GradientNormMonitor",
+    "GradientState",
     "InitProcessGroupKwargs",
     "ParallelismConfig",
     "PartialState",

@@ -56,13 +56,13 @@ _KEYWORDS = "pass the arguments by keyword (their order differs)"
 _add(
     TOP,
     SAME,
-    """PartialState cpu_offload cpu_offload_with_hook debug_launcher disk_offload dispatch_model
+    """PartialState cpu_offload cpu_offload_with_hook disk_offload dispatch_model
     init_empty_weights init_on_device""",
 )
 _add(
     _BOTH,
     SAME,
-    """AutocastKwargs DDPCommunicationHookType DistributedDataParallelKwargs GradScalerKwargs
+    """AutocastKwargs DDPCommunicationHookType DistributedDataParallelKwargs DistributedType GradScalerKwargs
     InitProcessGroupKwargs ProfileKwargs is_rich_available synchronize_rng_states""",
 )
 _add(
@@ -71,8 +71,10 @@ _add(
     "Accelerator",
     "the keywords are Accelerate's except torch_tp_plugin (use parallelism_config="
     "ParallelismConfig(tp_size=...)), megatron_lm_plugin (Megatron-LM is not supported) and "
-    "deepspeed_plugins (one DeepSpeedPlugin per Accelerator); rng_types is accepted, but "
-    "samplers are seeded, so global RNGs are not synchronised each epoch (a warning says so); "
+    "deepspeed_plugins (one DeepSpeedPlugin per Accelerator); rng_types is accepted, and "
+    "shuffles are kept alike on every process (the script's generator is synchronised each "
+    "pass, otherwise a seeded sampler is used), so the global RNGs are not synchronised each "
+    "epoch (a warning says so); "
     "adds even_batches, debug, callbacks, save_on_preemption and preemption_signals; " + _KEYWORDS,
 )
 _add(_BOTH, DIFFERENT, "DataLoaderConfiguration", _KEYWORDS)
@@ -86,25 +88,22 @@ _add(
 _add(
     _BOTH,
     DIFFERENT,
-    "DistributedType",
-    "members NO, MULTI_CPU, MULTI_GPU, DEEPSPEED and FSDP only: slipstream runs on CPUs and "
-    "CUDA GPUs",
-)
-_add(
-    _BOTH,
-    DIFFERENT,
     "FullyShardedDataParallelPlugin",
-    "FSDP2 (fully_shard) only: no sharding_strategy, backward_prefetch, ignored_modules, "
-    "state_dict_config, optim_state_dict_config, limit_all_gathers, use_orig_params, "
-    "param_init_fn, sync_module_states, forward_prefetch, activation_checkpointing_offload or "
-    "cpu_ram_efficient_loading; " + _KEYWORDS,
+    "FSDP2 (fully_shard) only, as Accelerate's fsdp_version=2: sharding_strategy maps onto "
+    "reshard_after_forward as `accelerate to-fsdp2` does (NO_SHARD and the hybrid strategies "
+    "warn that FSDP2 still shards over all processes), state_dict_type takes and equals "
+    "torch's StateDictType (not LOCAL_STATE_DICT), model.state_dict() holds DTensors; no "
+    "backward_prefetch, ignored_modules, state_dict_config, optim_state_dict_config, "
+    "limit_all_gathers, use_orig_params, param_init_fn, sync_module_states, forward_prefetch, "
+    "activation_checkpointing_offload or cpu_ram_efficient_loading; " + _KEYWORDS,
 )
 _add(
     _BOTH,
     DIFFERENT,
     "ParallelismConfig",
     "no sequence parallelism (sp_size, sp_backend, sp_handler): use cp_size (context "
-    "parallelism); adds pipeline parallelism (pp_size, pp_schedule, ...) and tp_plan; " + _KEYWORDS,
+    "parallelism); adds pipeline parallelism (pp_size, pp_schedule, ...), expert parallelism "
+    "(ep_size, ep_plan) and tp_plan; " + _KEYWORDS,
 )
 _add(
     _BOTH,
@@ -128,9 +127,18 @@ _add(
     TOP,
     DIFFERENT,
     "notebook_launcher",
-    "one machine only: no use_port, master_addr, node_rank, num_nodes, rdzv_* or "
-    "log_line_prefix_template (a free port is chosen); use_cpu, max_restarts and start_method "
-    "are arguments 5 to 7",
+    "Accelerate's arguments in its order; use_port defaults to a free port on one machine "
+    "(29500 across machines); rdzv_backend is static or c10d; adds keyword-only use_cpu and "
+    "start_method; returns each local process's result (Accelerate returns None); one "
+    "process also runs in a worker; workers fork, except in a script that holds a process "
+    "group or has used CUDA (then they spawn); no TPU or Colab path",
+)
+_add(
+    TOP,
+    DIFFERENT,
+    "debug_launcher",
+    "returns each process's result; a failure raises torch's ChildFailedError (Accelerate "
+    "raises torch.multiprocessing's ProcessRaisedException)",
 )
 _add(
     TOP,
@@ -164,6 +172,7 @@ _add(
     SCHEDULER_NAME WEIGHTS_INDEX_NAME WEIGHTS_NAME WEIGHTS_PATTERN_NAME
     are_libraries_initialized calculate_maximum_sizes check_device_map check_os_kernel
     clean_state_dict_for_safetensors clear_environment compare_versions concatenate
+    copy_tensor_to_devices
     convert_bytes convert_file_size_to_int convert_outputs_to_fp32 convert_to_fp32
     dtype_byte_size extract_model_from_parallel find_batch_size find_device
     find_tied_parameters get_balanced_memory get_data_structure get_gpu_info get_int_from_env
@@ -206,6 +215,15 @@ _add_each(
     UTILS,
     DIFFERENT,
     {
+        "save_fsdp_model": (
+            "use_dcp=False is refused: sharded weights always go through "
+            "torch.distributed.checkpoint (pytorch_model_fsdp_{i}/, as save_state writes them); "
+            "adapter_only keeps a PEFT model's trainable parameters"
+        ),
+        "load_fsdp_model": (
+            "use_dcp=False is refused: sharded weights are read with "
+            "torch.distributed.checkpoint; adapter_only loads a PEFT model's trainable parameters"
+        ),
         "broadcast_object_list": "the first argument is named objects",
         "gather_object": "the argument is named obj, not object",
         "send_to_device": "the first argument is named data; no skip_keys",
@@ -239,8 +257,8 @@ _add(
     avg_losses_across_data_parallel_group megatron_lm_initialize
     megatron_lm_prepare_data_loader megatron_lm_prepare_model_optimizer_scheduler
     megatron_lm_prepare_optimizer megatron_lm_prepare_scheduler""",
-    "Megatron-LM is not supported: use ParallelismConfig (tensor, pipeline and context "
-    "parallelism with FSDP2) for the same layouts",
+    "Megatron-LM is not supported: use ParallelismConfig (tensor, pipeline, context and "
+    "expert parallelism with FSDP2) for the same layouts",
 )
 _add(
     UTILS,
@@ -258,7 +276,7 @@ _add(
     """disable_fsdp_ram_efficient_loading enable_fsdp_ram_efficient_loading fsdp2_apply_ac
     fsdp2_canonicalize_names fsdp2_load_full_state_dict fsdp2_prepare_model
     fsdp2_switch_optimizer_parameters get_fsdp2_grad_scaler get_module_children_bottom_up
-    load_fsdp_model load_fsdp_optimizer save_fsdp_model save_fsdp_optimizer""",
+    load_fsdp_optimizer save_fsdp_optimizer""",
     "FSDP2 is the strategy's job: prepare shards the model, save_state/load_state and "
     "save_model save and load it (slipstream merge-weights merges a sharded checkpoint)",
 )
@@ -318,7 +336,7 @@ _add(
     UTILS,
     NOT_PROVIDED,
     """MITA_PROFILING_AVAILABLE_PYTORCH_VERSION XPU_PROFILING_AVAILABLE_PYTORCH_VERSION
-    TORCH_DISTRIBUTED_OPERATION_TYPES copy_tensor_to_devices extract_submodules_state_dict""",
+    TORCH_DISTRIBUTED_OPERATION_TYPES extract_submodules_state_dict""",
     "an Accelerate internal with no use outside it",
 )
 _add(
@@ -378,7 +396,8 @@ _add(
     local_process_index log logging_dir main_process_first maybe_context_parallel
     mixed_precision multi_device no_sync non_blocking num_processes on_last_process
     on_local_process on_process optimizer_step_was_skipped pad_across_processes
-    parallelism_config pipeline_parallel_rank prepare prepare_scheduler print process_index
+    parallelism_config pipeline_parallel_rank prepare prepare_data_loader prepare_scheduler
+    print process_index
     profile project_dir reduce register_for_checkpointing register_load_state_pre_hook
     register_save_state_pre_hook save save_iteration save_model set_trigger
     skip_first_batches split_batches split_between_processes sync_gradients
@@ -399,18 +418,22 @@ _add_each(
         ),
         "load_state": "no load_kwargs: files are read with torch.load(weights_only=True); "
         'load_state("latest") resumes from the newest checkpoint',
-        "prepare_data_loader": (
-            "no slice_fn_for_dispatch: dispatched batches are sliced tensor by tensor"
-        ),
         "prepare_model": "no evaluation_mode: call model.eval()",
         "prepare_optimizer": "no device_placement: the optimizer follows its model's parameters",
         "save_state": (
             "the second argument is async_save, not safe_serialization (models are always "
-            "saved as safetensors; the keyword is accepted and ignored)"
+            "saved as safetensors; the keyword is accepted and ignored); a folder per process, "
+            "or one path on machines without a shared disk, is detected and each folder is "
+            "committed on its own (FSDP, DeepSpeed and model-parallel need one shared folder)"
         ),
         "should_save_model": "always True",
         "unwrap_model": "no keep_torch_compile: torch.compile's wrapper is always removed",
-        "use_seedable_sampler": "always True: slipstream's samplers are always seedable",
+        "use_seedable_sampler": (
+            "accepted and changes nothing: a shuffle with the script's generator draws from it "
+            "(synchronised from the main process each pass, so 2 processes see the batches 1 "
+            "process would), one without uses a SeedableRandomSampler seeded from torch's RNG "
+            "or data_seed"
+        ),
     },
 )
 _add(

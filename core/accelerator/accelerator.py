@@ -46,7 +46,7 @@ from ..precision import Precision, canonical_mode, make_precision, restore_forwa
 from ..runtime import collectives
 from ..runtime.preemption import DEFAULT_SIGNALS, PreemptionHandler
 from ..runtime.process_control import ProcessControl
-from ..runtime.state import DistributedType, join_or_build_state
+from ..runtime.state import DistributedType, join_or_build_state, shared_state_generation
 from ..runtime.tree import map_tensors, tensor_leaves
 from ..strategies import (
     DeepSpeedPlugin,
@@ -67,6 +67,7 @@ from .checkpointing import CheckpointingMixin
 from .preparation import PreparationMixin
 from .profiling import ProfilingMixin
 from .run_info import RunInfoMixin
+from .shared_state import note_accelerator
 from .training_step import TrainingStepMixin
 from .uneven_inputs import UnevenInputsMixin
 
@@ -168,6 +169,7 @@ class Accelerator(
                 )
         init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         self.state = join_or_build_state(cpu, debug=debug, **vars(init_kwargs))
+        self.state_generation = shared_state_generation()  # see AcceleratorState._reset_state
         launch = dict(self.state.launch.launch_config)
 
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
@@ -218,6 +220,7 @@ class Accelerator(
             split_batches=self.split_batches,
         )
         self.strategy.step_state = self.step_state
+        self.state.distributed_type = self.strategy.distributed_type  # what scripts read
         if self.step_state.sync_each_batch and self.strategy.name == "deepspeed":
             raise ValueError(
                 "GradientAccumulationPlugin(sync_each_batch=True) does not apply to DeepSpeed: "
@@ -234,9 +237,7 @@ class Accelerator(
         self.log_with = resolve_log_with(log_with)
         self.trackers: list[GeneralTracker] = []
         self.active_loaders = ActiveLoaders()
-        self.active_loaders.on_pass_end = lambda loader: self.callbacks.call(
-            "on_dataloader_epoch_end", self, loader
-        )
+        self.active_loaders.on_pass_end = self._dataloader_pass_ended  # a method: pickles
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -248,6 +249,7 @@ class Accelerator(
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}
         self._preemption = self._preemption_handler(save_on_preemption, preemption_signals, launch)
+        note_accelerator(self)
 
     def _preemption_handler(
         self,

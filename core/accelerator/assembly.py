@@ -75,6 +75,7 @@ def build_step_state(
         gradient_accumulation_steps=plugin.num_steps,
         sync_with_dataloader=plugin.sync_with_dataloader,
         sync_each_batch=plugin.sync_each_batch,
+        average_short_cycles=plugin.average_short_cycles,
     )
 
 

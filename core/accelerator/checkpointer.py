@@ -5,9 +5,15 @@ the fp16 loss scaler, the dataloaders' positions, every process's RNG states, th
 counters and any object registered with ``register_for_checkpointing``. Loading validates
 everything (files present, counts, names and shapes) before changing anything.
 
-Every step that only the main process performs (naming, committing, rotating) reports its
-outcome to all processes, so a failure raises on every rank instead of leaving the others
-waiting in a collective.
+Every step that only some processes perform (committing, rotating) reports its outcome to
+all processes, so a failure raises on every rank instead of leaving the others waiting in
+a collective; so does every check a load makes.
+
+Usually all processes save into one shared folder, committed by the main process. Each
+process may also name its own folder, or the same path may be a different folder on each
+machine (local disks): :func:`~slipstream.checkpoint.layout.discover_layout` finds out,
+and then the first process of each folder writes the shared files into it and commits it
+(strategies that write one checkpoint jointly, FSDP and DeepSpeed, are refused).
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from torch import nn
 from ..checkpoint.commit import (
     CheckpointError,
     Location,
-    automatic_checkpoints,
     next_automatic_index,
     prepare_target,
     publish,
@@ -34,6 +39,13 @@ from ..checkpoint.commit import (
     write_marker,
 )
 from ..checkpoint.io import CheckpointReader, CheckpointWriter
+from ..checkpoint.layout import (
+    FolderLayout,
+    discover_layout,
+    everyone,
+    gathered,
+    newest_everywhere,
+)
 from ..checkpoint.names import indexed_name
 from ..checkpoint.rng import capture_rng_states, restore_rng_states
 from ..checkpoint.storage import Storage
@@ -76,6 +88,7 @@ class _PendingSave:
     location: Location
     writer: CheckpointWriter
     manifest: dict[str, Any]
+    layout: FolderLayout
     thread: threading.Thread | None = None
 
 
@@ -115,20 +128,7 @@ class Checkpointer:
 
     def _everyone(self, action: Callable[[], T]) -> T:
         """Run ``action`` everywhere; if it fails on any process, raise on all of them."""
-        result: Any = None
-        error: str | None = None
-        try:
-            result = action()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            if self.state.num_processes == 1:
-                raise
-        errors = collectives.gather_object([error], state=self.state)
-        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-        if failed:
-            details = "; ".join(f"process {rank}: {e}" for rank, e in failed)
-            raise CheckpointError(details)
-        return result
+        return everyone(self.state, action)
 
     def resolve_save_path(self, path: str | None) -> str:
         if path is not None:
@@ -138,14 +138,12 @@ class Checkpointer:
                 "save_state() needs a path, or Accelerator(project_config=ProjectConfiguration("
                 "project_dir=..., automatic_checkpoint_naming=True))"
             )
-        folder = self._checkpoints_folder()
-
-        def name() -> str:
-            storage = Storage.for_url(folder)
-            index = max(next_automatic_index(storage, storage.root), int(self.project.iteration))
-            return storage.url(storage.join(storage.root, f"checkpoint_{index}"))
-
-        return self._on_main(name)
+        storage = Storage.for_url(self._checkpoints_folder())
+        # Each process names the checkpoint in its own project folder (they may differ, or
+        # be node-local disks); the number is the next free one in every folder.
+        taken = gathered(self.state, lambda: next_automatic_index(storage, storage.root))
+        index = max(*taken, int(self.project.iteration))
+        return storage.url(storage.join(storage.root, f"checkpoint_{index}"))
 
     def resolve_load_path(self, path: str | None) -> str:
         if path is not None:
@@ -154,25 +152,21 @@ class Checkpointer:
             raise CheckpointError(
                 "load_state() needs a path, or automatic checkpoint naming to find the latest"
             )
-        folder = self._checkpoints_folder()
-        storage = Storage.for_url(folder)
-        found = automatic_checkpoints(storage, storage.root)
-        if not found:
+        found = self.latest()
+        if found is None:
+            folder = self._checkpoints_folder()
             raise CheckpointError(f"no complete checkpoint_N folder in {folder}")
-        return storage.url(found[-1][1])
+        return found
 
     def latest(self) -> str | None:
-        """The newest complete ``checkpoint_N`` in the project's checkpoint folder, if any."""
-        folder = self._checkpoints_folder()
-
-        def find() -> str | None:
-            storage = Storage.for_url(folder)
-            if not storage.exists(storage.root):
-                return None
-            found = automatic_checkpoints(storage, storage.root)
-            return storage.url(found[-1][1]) if found else None
-
-        return self._on_main(find)
+        """The newest ``checkpoint_N`` complete in every process's project checkpoint folder
+        (collective; each process gets its own folder's path), or ``None`` if there is none
+        anywhere."""
+        storage = Storage.for_url(self._checkpoints_folder())
+        newest = newest_everywhere(storage, self.state)
+        if newest is None:
+            return None
+        return storage.url(storage.join(storage.root, f"checkpoint_{newest}"))
 
     # -- save -----------------------------------------------------------------------------
     def save(self, path: str | None, objects: TrainingObjects, async_save: bool = False) -> str:
@@ -187,8 +181,14 @@ class Checkpointer:
         storage = Storage.for_url(target)
         token = self._on_main(lambda: uuid.uuid4().hex[:12])
         location = Location(storage, storage.root, token)
-        self._on_main(lambda: prepare_target(location))
-        writer = CheckpointWriter(storage, location.staging, self.state, deferred=async_save)
+        layout = discover_layout(location, self.state)
+        if not layout.shared:
+            self._check_separate_folders(objects, layout)
+        owner = layout.is_owner(self.state.process_index)
+        self._everyone(lambda: prepare_target(location) if owner else None)
+        writer = CheckpointWriter(
+            storage, location.staging, self.state, deferred=async_save, owner=owner
+        )
 
         weights = [self.strategy.checkpoint_state_dict(m) for m in objects.models]
         models = list(objects.models)
@@ -204,7 +204,7 @@ class Checkpointer:
         manifest = self._manifest(objects, len(weights), [])
         if self.state.is_main_process:
             manifest["dataloaders"] = [loader.position_state() for loader in objects.dataloaders]
-        pending = _PendingSave(location, writer, manifest)
+        pending = _PendingSave(location, writer, manifest, layout)
         if async_save:
             pending.thread = threading.Thread(target=writer.flush, name="slipstream-save")
             pending.thread.start()
@@ -233,20 +233,44 @@ class Checkpointer:
 
         self._everyone(check_written)
         files = collectives.gather_object([writer.written], state=self.state)
-        manifest["files"] = {str(rank): names for rank, names in enumerate(files)}
+        layout, rank = pending.layout, self.state.process_index
+        if not layout.shared:
+            # Every folder gets the main process's manifest (dataloader positions, counts).
+            manifest = collectives.broadcast_object_list([manifest], 0, state=self.state)[0]
+        # A folder lists the files of the processes that wrote into it.
+        manifest["files"] = {str(r): files[r] for r in layout.members(rank)}
 
-        def commit() -> str:
+        def commit() -> None:
+            if not layout.is_owner(rank):
+                return
             write_marker(storage, location.staging, manifest)
             publish(location)
             if self.project.automatic_checkpoint_naming and self.project.total_limit:
                 rotate(storage, storage.parent(location.path), self.project.total_limit)
-            return storage.url(location.path)
 
-        final = self._on_main(commit)
+        # Each owner commits its folder; a failure anywhere raises everywhere.
+        self._everyone(commit)
+        final = storage.url(location.path)
         self.project.iteration = (
             _automatic_index(final) + 1 if _is_automatic(final) else (self.project.iteration)
         )
         return final
+
+    def _check_separate_folders(self, objects: TrainingObjects, layout: FolderLayout) -> None:
+        """Refuse (on every process, before writing) a save into folders the processes do
+        not share when the strategy writes its model or optimizer files jointly."""
+        kind = type(self.strategy)
+        joint = (
+            kind.save_model_checkpoint is not Strategy.save_model_checkpoint
+            or kind.save_optimizer_checkpoint is not Strategy.save_optimizer_checkpoint
+        )
+        if joint and (objects.models or objects.optimizers):
+            raise CheckpointError(
+                f"save_state: the processes write into folders they do not share "
+                f"({layout.describe()}), but the {self.strategy.name} strategy writes model "
+                "and optimizer state jointly, each process its part of one folder; save to "
+                "a path every process shares (a shared filesystem or an object store URL)"
+            )
 
     def _write(
         self,
@@ -260,8 +284,7 @@ class Checkpointer:
             self.strategy.save_model_checkpoint(model, state_dict, writer, index)
         for index, optimizer in enumerate(objects.optimizers):
             self.strategy.save_optimizer_checkpoint(optimizer, writer, index)
-        main = self.state.is_main_process
-        if main:
+        if writer.owner:  # the main process, or the first of a folder it does not share
             for index, scheduler in enumerate(objects.schedulers):
                 writer.save_object(indexed_name("scheduler", index, ".bin"), scheduler.state_dict())
             if objects.scaler is not None:
@@ -301,19 +324,39 @@ class Checkpointer:
 
     # -- load -----------------------------------------------------------------------------
     def load(self, path: str | None, objects: TrainingObjects) -> str:
-        """Restore ``objects`` from a checkpoint; returns the location it came from."""
+        """Restore ``objects`` from a checkpoint; returns the location it came from.
+
+        Each process reads its own path (they may differ, or be node-local copies); a
+        problem on any process raises on all of them before anything changes."""
         self.wait()
         source = self.resolve_load_path(path)
-        storage = Storage.for_url(source)
-        folder = recover(storage, storage.root)
-        manifest = read_marker(storage, folder)
-        reader = CheckpointReader(storage, folder, self.state, manifest)
-        url = storage.url(folder)
-        self._check_files(reader)
-
+        reader = self._everyone(lambda: self._open(source))
+        url = reader.storage.url(reader.folder)
         models = list(objects.models)
         for hook in objects.load_hooks:
             hook(models, url)
+        apply, rng = self._everyone(lambda: self._read(reader, objects, models))
+        for action in apply:
+            action()
+        step = reader.manifest["step"]
+        objects.step_state.optimizer_steps = int(step["optimizer_steps"])
+        objects.step_state.micro_steps = int(step["micro_steps"])
+        if rng is not None:
+            restore_rng_states(rng)  # last: nothing after this draws random numbers
+        return url
+
+    def _open(self, source: str) -> CheckpointReader:
+        storage = Storage.for_url(source)
+        folder = recover(storage, storage.root)
+        reader = CheckpointReader(storage, folder, self.state, read_marker(storage, folder))
+        self._check_files(reader)
+        return reader
+
+    def _read(
+        self, reader: CheckpointReader, objects: TrainingObjects, models: list[nn.Module]
+    ) -> tuple[list[Callable[[], None]], Any]:
+        """Read and validate everything; the functions that apply it, and the RNG states."""
+        manifest, url = reader.manifest, reader.storage.url(reader.folder)
         _check_count(url, "model", manifest["models"], len(models))
         _check_count(url, "optimizer", manifest["optimizers"], len(objects.optimizers))
         _check_count(url, "scheduler", manifest["schedulers"], len(objects.schedulers))
@@ -360,19 +403,22 @@ class Checkpointer:
         ):
             saved_extra = reader.load_object("callbacks.pkl", "callback state")
             apply.append(_applier(objects.restore_extra, saved_extra))
-
-        for action in apply:
-            action()
-        step = manifest["step"]
-        objects.step_state.optimizer_steps = int(step["optimizer_steps"])
-        objects.step_state.micro_steps = int(step["micro_steps"])
-        if rng is not None:
-            restore_rng_states(rng)  # last: nothing after this draws random numbers
-        return url
+        return apply, rng
 
     def _check_files(self, reader: CheckpointReader) -> None:
+        files, rank = reader.manifest["files"], self.state.process_index
+        saved_by = int(reader.manifest["num_processes"])
+        if saved_by == self.state.num_processes and str(rank) not in files:
+            # A folder that only some processes wrote (separate or machine-local folders):
+            # this process's own state (RNG, dataloader) is elsewhere.
+            writers = ", ".join(sorted(files, key=int))
+            raise CheckpointError(
+                f"{reader.storage.url(reader.folder)} holds the state of process(es) {writers}, "
+                f"not of process {rank}: load each process from the folder it saved to (on "
+                "machine-local disks, keep processes on the machines that saved them)"
+            )
         present = set(reader.storage.listdir(reader.folder))
-        listed = {name for names in reader.manifest["files"].values() for name in names}
+        listed = {name for names in files.values() for name in names}
         missing = sorted(listed - present)
         if missing:
             raise CheckpointError(

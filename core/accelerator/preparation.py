@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -22,10 +22,14 @@ from ..precision import Precision
 from ..runtime.state import ProcessState
 from ..strategies import DummyOptim, DummyScheduler, Strategy
 from .compile import compile_model
+from .shared_state import refuse_if_reset
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch.utils.data import DataLoader
 
+    from ..callbacks import CallbackRunner
     from ..data.loader import PreparedDataLoader
 
 
@@ -57,11 +61,13 @@ class PreparationMixin:
 
     # Provided by the Accelerator.
     state: ProcessState
+    state_generation: int
     strategy: Strategy
     precision: Precision
     step_state: StepState
     coordinator: StepCoordinator
     active_loaders: ActiveLoaders
+    callbacks: CallbackRunner
     dataloader_config: DataLoaderConfiguration
     dynamo_plugin: TorchDynamoPlugin
     device_placement: bool
@@ -76,8 +82,16 @@ class PreparationMixin:
 
         Models are placed on the device and wrapped for the active strategy, optimizers and
         schedulers wrapped, dataloaders sharded; anything else is returned unchanged. The
-        results come back in the order given (a single object is returned as is).
+        results come back in the order given (a single object is returned as is). An object
+        prepared before, here or by another Accelerator, comes back as it is and is
+        registered with this Accelerator (checkpoints, ``free_memory``), as in Accelerate.
+
+        Example::
+
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            loader = accelerator.prepare(loader)    # already prepared: the same loader
         """
+        refuse_if_reset(self.state_generation)
         if device_placement is not None and len(device_placement) != len(args):
             raise PrepareError(
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects; "
@@ -92,11 +106,16 @@ class PreparationMixin:
         extension = {i: p for i, obj in enumerate(args) if (p := find_preparer(obj)) is not None}
         for i, preparer in extension.items():
             results[i] = preparer.prepare(args[i], self)
+        done = set(extension) | {
+            i for i, obj in enumerate(args) if i not in extension and self._adopt_prepared(obj)
+        }
         model_slots = [
-            i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and i not in extension
+            i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and i not in done
         ]
         optimizer_slots = [
-            i for i, obj in enumerate(args) if isinstance(obj, (torch.optim.Optimizer, DummyOptim))
+            i
+            for i, obj in enumerate(args)
+            if isinstance(obj, (torch.optim.Optimizer, DummyOptim)) and i not in done
         ]
         if model_slots or optimizer_slots:
             models = [args[i] for i in model_slots]
@@ -118,14 +137,19 @@ class PreparationMixin:
             for slot, model in zip(model_slots, wrapped, strict=True):
                 if self.dynamo_plugin.backend != "no":
                     model = compile_model(model, self.dynamo_plugin)
+                # Accelerate's marker: preparing the model again hands it back as it is.
+                setattr(model, "_is_accelerate_prepared", True)  # noqa: B010
                 results[slot] = model
                 self._models.append(model)
             for slot, optimizer in zip(optimizer_slots, optimizers, strict=True):
                 prepared = AcceleratedOptimizer(optimizer, self.coordinator, original=args[slot])
+                setattr(prepared, "_is_accelerate_prepared", True)  # noqa: B010
                 results[slot] = prepared
                 self._optimizers.append(prepared)
 
         for i, obj in enumerate(args):
+            if i in done:
+                continue
             if _is_dataloader(obj):
                 results[i] = self.prepare_data_loader(obj, device_placement=placements[i])
             elif _is_scheduler(obj):
@@ -137,6 +161,33 @@ class PreparationMixin:
     def strategy_autocasts(self) -> bool:
         return getattr(self.strategy, "autocast_forward", True)
 
+    def _adopt_prepared(self, obj: Any) -> bool:
+        """Whether ``obj`` was prepared before, here or by another Accelerator; it is then
+        registered with this one (once) and handed back as it is."""
+        if _is_prepared_loader(obj):
+            if not any(obj is loader for loader in self._dataloaders):
+                self._dataloaders.append(obj)
+            # Its passes now count for this Accelerator (end of data for accumulation,
+            # gather_for_metrics' duplicates, callbacks).
+            obj.active_loaders = self.active_loaders
+            return True
+        if isinstance(obj, AcceleratedOptimizer):
+            if not any(obj is opt for opt in self._optimizers):
+                self._optimizers.append(obj)
+            return True
+        if isinstance(obj, AcceleratedScheduler):
+            if not any(obj is scheduler for scheduler in self._schedulers):
+                self._schedulers.append(obj)
+            return True
+        if isinstance(obj, nn.Module) and (
+            getattr(obj, "_is_accelerate_prepared", False) is True
+            or any(obj is model for model in self._models)
+        ):
+            if not any(obj is model for model in self._models):
+                self._models.append(obj)
+            return True
+        return False
+
     def _check_prepare_arguments(self, args: Sequence[Any]) -> None:
         seen: set[int] = set()
         for position, obj in enumerate(args):
@@ -146,19 +197,27 @@ class PreparationMixin:
                     "pass each object once"
                 )
             seen.add(id(obj))
-            if isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler)) or _is_prepared_loader(
-                obj
-            ):
+            # Prepared optimizers and schedulers step with their Accelerator's accumulation
+            # (and loss scaling): handing another Accelerator's through would step them on
+            # the wrong schedule.
+            if isinstance(obj, AcceleratedOptimizer) and obj.coordinator is not self.coordinator:
                 raise PrepareError(
-                    f"argument {position} ({type(obj).__name__}) was already prepared; pass the "
-                    "original object, or keep using the prepared one"
+                    f"argument {position} is an optimizer prepared by another Accelerator: it "
+                    "steps with that Accelerator's gradient accumulation. Prepare the original "
+                    "optimizer (prepared.optimizer) with this Accelerator, or keep using the "
+                    "other one"
                 )
-            if any(obj is m for m in self._models):
+            if isinstance(obj, AcceleratedScheduler) and obj.step_state is not self.step_state:
                 raise PrepareError(
-                    f"argument {position} is a model that was already prepared; prepare each "
-                    "model once"
+                    f"argument {position} is a scheduler prepared by another Accelerator: it "
+                    "steps with that Accelerator's optimizers. Prepare the original scheduler "
+                    "(prepared.scheduler) with this Accelerator, or keep using the other one"
                 )
-        schedulers = [obj for obj in args if _is_scheduler(obj) and not isinstance(obj, nn.Module)]
+        schedulers = [
+            obj
+            for obj in args
+            if _is_scheduler(obj) and not isinstance(obj, (nn.Module, AcceleratedScheduler))
+        ]
         optimizers_here = {
             id(obj) for obj in args if isinstance(obj, (torch.optim.Optimizer, DummyOptim))
         }
@@ -185,12 +244,26 @@ class PreparationMixin:
         return self.prepare(optimizer)
 
     def prepare_data_loader(
-        self, data_loader: DataLoader[Any], device_placement: bool | None = None
+        self,
+        data_loader: DataLoader[Any],
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Callable[..., Any] | None = None,
     ) -> PreparedDataLoader:
-        """Shard ``data_loader`` over the processes and place its batches on the device."""
-        from ..data.prepare import prepare_data_loader
+        """Shard ``data_loader`` over the processes and place its batches on the device.
+
+        ``slice_fn_for_dispatch`` (with ``dispatch_batches``) cuts each process's rows of a
+        dispatched batch: ``slice_fn(batch, slice, process_index=, num_processes=)``. A loader
+        prepared before comes back as it is (see :meth:`prepare`).
+
+        Example::
+
+            loader = accelerator.prepare_data_loader(DataLoader(ds, batch_size=8))
+        """
+        from ..data.prepare import shard_data_loader
 
         self._check_prepare_arguments([data_loader])
+        if self._adopt_prepared(data_loader):
+            return cast("PreparedDataLoader", data_loader)
         placement = self.device_placement if device_placement is None else device_placement
         if (
             not self.dataloader_config.even_batches
@@ -205,7 +278,7 @@ class PreparationMixin:
                 "run the model on this loader's batches",
                 stacklevel=2,
             )
-        prepared = prepare_data_loader(
+        prepared = shard_data_loader(
             data_loader,
             state=self.state,
             split_batches=self.dataloader_config.split_batches,
@@ -216,13 +289,27 @@ class PreparationMixin:
             dispatch_batches=self.dataloader_config.dispatch_batches,
             use_stateful_dataloader=self.dataloader_config.use_stateful_dataloader,
             data_seed=self.dataloader_config.data_seed,
+            slice_fn=slice_fn_for_dispatch,
         )
         self._dataloaders.append(prepared)
         return prepared
 
+    def _dataloader_pass_ended(self, loader: PreparedDataLoader) -> None:
+        """A prepared loader finished a whole pass: the callbacks' hook. (A method, not a
+        lambda, so an Accelerator holding prepared loaders pickles.)"""
+        self.callbacks.call("on_dataloader_epoch_end", self, loader)
+
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap an LR scheduler so it steps with its prepared optimizer."""
+        """Wrap an LR scheduler so it steps with its prepared optimizer (one prepared before
+        comes back as it is).
+
+        Example::
+
+            scheduler = accelerator.prepare_scheduler(StepLR(optimizer, step_size=10))
+        """
         self._check_prepare_arguments([scheduler])
+        if self._adopt_prepared(scheduler):
+            return scheduler
         inner = scheduler.optimizer
         owners = [
             opt
@@ -237,5 +324,6 @@ class PreparationMixin:
             steps_per_optimizer_step=steps,
             step_with_optimizer=self.step_scheduler_with_optimizer,
         )
+        setattr(prepared, "_is_accelerate_prepared", True)  # noqa: B010
         self._schedulers.append(prepared)
         return prepared

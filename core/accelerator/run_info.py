@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..runtime.state import DistributedType
+from .shared_state import GradientState
 
 if TYPE_CHECKING:
     from ..options.kwargs import DataLoaderConfiguration
@@ -27,6 +28,12 @@ class RunInfoMixin:
     strategy: Strategy
     dataloader_config: DataLoaderConfiguration
     mixed_precision: str
+
+    @property
+    def gradient_state(self) -> GradientState:
+        """Where gradient accumulation and the dataloaders stand (Accelerate's
+        ``GradientState``: ``sync_gradients``, ``end_of_dataloader``, ``active_dataloader``)."""
+        return GradientState(accelerator=self)  # type: ignore[arg-type]
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin | None:

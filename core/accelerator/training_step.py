@@ -37,9 +37,10 @@ class TrainingStepMixin:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` with gradient-accumulation averaging and loss scaling.
 
-        With accumulation the loss is divided by the micro-batches of the current cycle, so
-        N accumulated micro-batches give the update of one N-times larger batch (also for a
-        shorter final cycle of an epoch).
+        With accumulation the loss is divided by ``gradient_accumulation_steps``, so N
+        accumulated micro-batches give the update of one N-times larger batch (a shorter
+        final cycle of an epoch is divided by N too, as in Accelerate, unless
+        ``GradientAccumulationPlugin(average_short_cycles=True)``).
         """
         if self.coordinator.pending:
             self.coordinator.finish()  # a step left open by optimizers that did not all step

@@ -22,12 +22,17 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..data.samplers import ShardedBatchSampler
+from ..runtime.state import DistributedType
 
 if TYPE_CHECKING:
     from ..data.loader import PreparedDataLoader
     from ..options.kwargs import DataLoaderConfiguration
     from ..runtime.state import ProcessState
     from ..strategies import Strategy
+
+
+#: Types under which DDP joins processes that ran out of batches.
+_JOINABLE_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 class UnevenInputsMixin:
@@ -54,13 +59,21 @@ class UnevenInputsMixin:
         if self.state.num_processes == 1:
             yield
             return
-        if self.strategy.name != "ddp":
+        # The job's type as the state reports it (scripts may set it, as in Accelerate).
+        kind = self.state.distributed_type
+        if self.strategy.name != "ddp" or kind not in _JOINABLE_TYPES:
             if not wanted:
                 raise ValueError(
-                    f"join_uneven_inputs works with DDP; under {self.strategy.name} a process "
-                    "that runs out of batches would leave the others waiting in a collective. "
+                    f"join_uneven_inputs works with DDP; under {kind.value} a process that "
+                    "runs out of batches would leave the others waiting in a collective. "
                     "Keep even_batches=True (the final global batch is completed instead)"
                 )
+            warnings.warn(
+                "Joining uneven inputs is only supported for multi-GPU training and other DDP "
+                f"jobs, as a result `join_uneven_inputs` will have no effect under {kind.value} "
+                "(with even_batches=True every process gets the same number of batches)",
+                stacklevel=3,
+            )
             yield
             return
         from torch.distributed.algorithms import Join, Joinable
@@ -85,17 +98,20 @@ class UnevenInputsMixin:
         if even_batches is None:
             return []
         restore = []
+        iterable_seen = False
         for loader in self._dataloaders:
             sampler = loader.shard
             if isinstance(sampler, ShardedBatchSampler):
                 restore.append((sampler, sampler.even_batches))
                 sampler.even_batches = even_batches
             else:
-                warnings.warn(
-                    "join_uneven_inputs(even_batches=...) changes map-style dataloaders only; "
-                    "an IterableDataset loader keeps the setting it was prepared with",
-                    stacklevel=3,
-                )
+                iterable_seen = True
+        if iterable_seen:
+            warnings.warn(
+                "Overriding even_batches is only supported for map-style datasets, yet some "
+                "dataloaders given were iterable: they keep the setting they were prepared with",
+                stacklevel=4,
+            )
         return restore
 
     @contextlib.contextmanager

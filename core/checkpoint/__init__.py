@@ -14,6 +14,7 @@ _EXPORTS = {
     "StorageError": "storage",
     "export_weights": "weights",
     "load_weights": "weights",
+    "merge_weights": "merge",
     "save_weights": "weights",
 }
 

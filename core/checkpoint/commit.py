@@ -108,9 +108,9 @@ def publish(location: Location) -> None:
     storage.move(location.staging, path)
     storage.remove(location.replaced)
     parent = storage.parent(path)
-    prefix = f".{storage.name(path)}.incomplete-"
+    prefixes = tuple(f".{storage.name(path)}.{kind}-" for kind in ("incomplete", "probe"))
     for leftover in storage.listdir(parent):
-        if leftover.startswith(prefix):
+        if leftover.startswith(prefixes):
             storage.remove(storage.join(parent, leftover))  # from earlier interrupted saves
 
 

@@ -24,15 +24,24 @@ class CheckpointWriter:
 
     With ``deferred`` the writes are recorded with a CPU snapshot of their content and done
     later by :meth:`flush` (asynchronous saving: training may change the tensors meanwhile).
+    :attr:`owner` says whether this process writes the files that every process of the
+    folder would write alike (replicated weights, schedulers): the main process, or the
+    first process of a folder the main process does not share (node-local disks).
     """
 
     def __init__(
-        self, storage: Storage, folder: str, state: ProcessState, deferred: bool = False
+        self,
+        storage: Storage,
+        folder: str,
+        state: ProcessState,
+        deferred: bool = False,
+        owner: bool | None = None,
     ) -> None:
         self.storage = storage
         self.folder = folder
         self.state = state
         self.deferred = deferred
+        self.owner = state.is_main_process if owner is None else owner
         self.written: list[str] = []
         self.pending: list[Callable[[], None]] = []
         self.error: str | None = None

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -84,10 +85,10 @@ def save_weights(
         if len(shards) <= 1
         else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{suffix}" for i in range(len(shards))]
     )
-    # Remove files of an earlier, differently sharded save so the folder stays consistent.
-    for old in storage.listdir(folder):
-        if old.startswith(stem) and old not in names:
-            storage.remove(storage.join(folder, old))
+    for old in _stale(storage.listdir(folder), names, safe_serialization):
+        path = storage.join(folder, old)
+        if not storage.isdir(path):
+            storage.remove(path)
     weight_map: dict[str, str] = {}
     total = 0
     for name, keys in _progress(zip(names, shards or [[]], strict=True), progress, len(names)):
@@ -104,6 +105,23 @@ def save_weights(
         storage.write_text(storage.join(folder, index_name), json.dumps(index, indent=2))
         names.append(index_name)
     return names
+
+
+def _stale(present: list[str], names: list[str], safe_serialization: bool) -> list[str]:
+    """Files of an earlier, differently sharded save that this one does not overwrite and
+    that loaders would read instead of it: shards named like this save's
+    (``model-00002-of-00003.safetensors``), the single file when this save is sharded, and
+    the index files (an index is read before single files, of either format). Nothing else
+    in the folder is touched (``model_card.md``, ``pytorch_model_fsdp_0/``...)."""
+    single = SAFE_WEIGHTS if safe_serialization else PICKLE_WEIGHTS
+    stem, suffix = single.rsplit(".", 1)
+    shard = re.compile(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}\.{re.escape(suffix)}")
+    doomed = {single, SAFE_INDEX, PICKLE_INDEX}
+    return [
+        name
+        for name in present
+        if name not in names and (name in doomed or shard.fullmatch(name) is not None)
+    ]
 
 
 def export_weights(

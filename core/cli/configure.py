@@ -290,11 +290,35 @@ def _ask_sizes(q: Questionnaire, num_processes: int) -> dict[str, Any]:
             q.say(f"  {error}; please try again.")
 
 
+def _expert_size(q: Questionnaire, shards: int) -> int:
+    """Expert parallelism: over how many of the ``shards`` sharding processes the experts of
+    a mixture-of-experts model are split (1: not split)."""
+
+    def check(answer: str) -> str | None:
+        if not answer.isdecimal() or int(answer) < 1:
+            return f"'{answer}' is not a size: give 1 or more"
+        if shards % int(answer):
+            return f"{answer} does not divide the {shards} processes that shard the model"
+        return None
+
+    question = (
+        f"For a mixture-of-experts model: over how many of the {shards} processes that shard "
+        "the model are its experts split (ep_size; 1: not split)?"
+    )
+    return int(q.text(question, "1", check))
+
+
 def _parallelism_questions(q: Questionnaire, num_processes: int) -> dict[str, Any]:
     """The ``parallelism_config`` block: the sizes, then the options they call for."""
-    from ..parallel.config import CONFIG_PREFIX
+    from ..parallel.config import CONFIG_PREFIX, ParallelismConfig
 
     block = _ask_sizes(q, num_processes)
+    sizes = ParallelismConfig.from_config(block).resolve(num_processes)
+    shards = sizes.dp_shard * sizes.cp
+    if shards > 1:
+        experts = _expert_size(q, shards)
+        if experts > 1:
+            block[CONFIG_PREFIX + "ep_size"] = experts
     if block[CONFIG_PREFIX + "cp_size"] > 1:
         block[CONFIG_PREFIX + "cp_comm_strategy"] = q.choice(
             "How do context-parallel processes exchange keys and values?",

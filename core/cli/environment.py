@@ -65,10 +65,23 @@ def _layout_lines(path: str) -> list[str]:
     from ..launcher.config import ConfigError, load_config
 
     try:
-        layout = load_config(path)[0].parallel_layout()
+        config = load_config(path)[0]
+        layout = config.parallel_layout()
     except ConfigError as error:
         return [f"- config problem: {error}"]
-    return [f"- parallel layout: {layout}"] if layout else []
+    if not layout:
+        return []
+    lines = [f"- parallel layout: {layout}"]
+    from ..parallel.config import ParallelismConfig
+
+    sizes = ParallelismConfig.from_config(config.parallelism_config).resolve(config.num_processes)
+    if sizes.ep > 1:
+        shards = sizes.dp_shard * sizes.cp
+        lines.append(
+            f"- expert parallelism: experts split over ep={sizes.ep} of the {shards} processes "
+            f"that shard the model, each expert FSDP-sharded over {shards // sizes.ep}"
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,9 @@ Accounting (the ZeRO paper's, N = trainable parameters, P = processes), AdamW:
 - Frozen parameters count only as weights (bytes of the dtype), sharded only by ZeRO-3/FSDP.
 - A shard holds ceil(n / P) elements, the padding FSDP and ZeRO add to split evenly.
 - Inference is weights only: 4 bytes per parameter in fp32, 2 in bf16/fp16.
+- --ep_size splits the experts of a mixture-of-experts model (its own ``base_model_ep_plan``,
+  or --ep_plan patterns) over ep processes of the shard group: each holds 1/ep of them,
+  sharded over dp_shard x cp / ep, and gathers 1/ep of an experts module at a time.
 - --tp_size, --pp_size, --cp_size, --dp_replicate_size arrange the processes as
   dp_replicate x dp_shard x tp x pp x cp (dp_shard: what the others leave). A process holds
   1/tp of each weight the model's tensor-parallel plan splits (a transformers model's own
@@ -192,9 +195,12 @@ def count_parameters(model: nn.Module) -> ParameterCounts:
     )
 
 
-def split_parameters(model: nn.Module, tp: int) -> TensorParallelSplit:
-    """Which weights of ``model`` tensor parallelism splits, over count_parameters' units."""
-    return tensor_parallel_split(model, list(_units(model)), tp)
+def split_parameters(
+    model: nn.Module, tp: int, ep: int = 1, ep_plan: Sequence[str] | None = None
+) -> TensorParallelSplit:
+    """Which weights of ``model`` tensor parallelism splits (and, with ``ep > 1``, which are
+    experts), over count_parameters' units."""
+    return tensor_parallel_split(model, list(_units(model)), tp, ep, ep_plan)
 
 
 def _check(num_processes: int, dtypes: Sequence[str]) -> None:
@@ -261,13 +267,37 @@ def estimate_layouts(
     """Data parallel only, then each dimension of ``layout`` added in turn (its steps)."""
     estimates = []
     for step in layout.steps():
-        share = split.per_process(step.tp, step.pp)
+        share = split.per_process(step.tp, step.pp, step.ep)
         local = dataclasses.replace(
             counts, total=share.total, trainable=share.trainable, largest_unit=share.largest_unit
         )
-        training = tuple(estimate(local, step.shard_group, dtypes))
-        estimates.append(LayoutEstimate(step, local, training, inference_bytes(local, dtypes)))
+        dense = dataclasses.replace(
+            local,
+            total=share.total - share.experts,
+            trainable=share.trainable - share.trainable_experts,
+        )
+        training = estimate(dense, step.shard_group, dtypes)
+        if share.experts:
+            # Split experts are sharded only over the shard-group processes holding the same.
+            experts = dataclasses.replace(
+                local, total=share.experts, trainable=share.trainable_experts, largest_unit=0
+            )
+            expert_rows = estimate(experts, step.shard_group // step.ep, dtypes)
+            training = [_add(a, b) for a, b in zip(training, expert_rows, strict=True)]
+        estimates.append(
+            LayoutEstimate(step, local, tuple(training), inference_bytes(local, dtypes))
+        )
     return estimates
+
+
+def _add(row: MemoryRow, other: MemoryRow) -> MemoryRow:
+    return dataclasses.replace(
+        row,
+        weights=row.weights + other.weights,
+        gradients=row.gradients + other.gradients,
+        optimizer_states=row.optimizer_states + other.optimizer_states,
+        gathered_unit=max(row.gathered_unit, other.gathered_unit),
+    )
 
 
 def _header(counts: ParameterCounts) -> str:
@@ -319,7 +349,7 @@ def format_parallel_table(
         return [format_bytes(inference[d]) for d in dtypes]
 
     inference = [["Inference (weights only)", *weights(estimates[0].inference)]]
-    split_by = [f"{dim} {layout.size(dim)}" for dim in ("tp", "pp") if layout.size(dim) > 1]
+    split_by = [f"{dim} {layout.size(dim)}" for dim in ("tp", "pp", "ep") if layout.size(dim) > 1]
     if split_by:  # cp and dp_replicate leave a serving process's weights whole
         inference.append([f"Inference, {' x '.join(split_by)}", *weights(estimates[-1].inference)])
     rendered = _render(lines + inference, len(inference))
@@ -332,6 +362,7 @@ _PARALLEL_OPTIONS = (
     ("pp", "pipeline stages: each holds about 1/pp of the parameters"),
     ("cp", "context-parallel size: splits sequences; joins the ZeRO/FSDP shard group"),
     ("dp_replicate", "replicas of the sharded state (HSDP); ZeRO/FSDP shard within one"),
+    ("ep", "expert-parallel size: splits the experts over processes of the shard group"),
 )
 
 
@@ -354,6 +385,12 @@ def register(subparsers: Any) -> None:
     for dim, meaning in _PARALLEL_OPTIONS:
         spellings = (f"--{dim}_size", f"--{dim.replace('_', '-')}-size")
         parser.add_argument(*spellings, type=int, default=1, help=f"{meaning} (default 1)")
+    parser.add_argument(
+        "--ep_plan",
+        "--ep-plan",
+        help="comma-separated module-name patterns of the experts modules ('*' matches one "
+        "part); default: the model's own base_model_ep_plan",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -372,6 +409,7 @@ def _parallel_report(
             "split_parameters": split.split_elements,
             "split_modules": split.modules,
         },
+        "experts": {"parameters": split.expert_elements, "ep": layout.ep},
         "notes": notes(layout, split, counts.total),
         # Data parallel only first, then one dimension added per step; the last is the layout.
         "steps": [
@@ -396,15 +434,21 @@ def run(args: argparse.Namespace) -> int:
     # Before building: a typo should not wait on a model.
     _check(args.num_processes, dtypes)
     layout = ParallelLayout(
-        args.num_processes, args.tp_size, args.pp_size, args.cp_size, args.dp_replicate_size
+        args.num_processes,
+        args.tp_size,
+        args.pp_size,
+        args.cp_size,
+        args.dp_replicate_size,
+        args.ep_size,
     )
+    ep_plan = [p.strip() for p in args.ep_plan.split(",") if p.strip()] if args.ep_plan else None
     model = build_model(args.model)
     counts = count_parameters(model)
     rows = estimate(counts, args.num_processes, dtypes)
     inference = inference_bytes(counts, dtypes)
     split, estimates = None, []
-    if not layout.data_parallel_only:
-        split = split_parameters(model, layout.tp)
+    if not layout.data_parallel_only or layout.ep > 1:
+        split = split_parameters(model, layout.tp, layout.ep, ep_plan)
         estimates = estimate_layouts(counts, split, layout, dtypes)
     if args.json:
         report = {

@@ -1,4 +1,4 @@
-"""Tensor, pipeline and context parallelism in ``slipstream estimate-memory``.
+"""Tensor, pipeline, context and expert parallelism in ``slipstream estimate-memory``.
 
 ``num_processes = dp_replicate x dp_shard x tp x pp x cp``. What one process holds:
 
@@ -7,6 +7,9 @@
 - pp: about 1/pp of that, assuming stages balanced by parameter count.
 - cp: splits sequences, not weights, so the cp processes hold the same weights and join the
   ZeRO/FSDP shard group: it is dp_shard x cp, replicated across dp_replicate (HSDP).
+- ep: splits the experts (found by the model's own ``base_model_ep_plan`` or ``--ep_plan``)
+  over ep processes of the shard group; each process holds 1/ep of them, sharded over the
+  other dp_shard x cp / ep; each experts module is its own FSDP unit (1/ep of it gathered).
 
 The data-parallel arithmetic (ZeRO stages, FSDP) then runs over that shard group.
 """
@@ -44,9 +47,11 @@ class ParallelLayout:
     pp: int = 1
     cp: int = 1
     dp_replicate: int = 1
+    #: Expert parallelism: a split of the shard group (dp_shard x cp), not a size of its own.
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for dim in STEPS:
+        for dim in (*STEPS, "ep"):
             if self.size(dim) < 1:
                 raise ConfigError(f"--{dim}_size must be at least 1, got {self.size(dim)}")
         if self.num_processes % self.model_parallel:
@@ -56,6 +61,12 @@ class ParallelLayout:
                 f"{product} does not divide --num_processes {self.num_processes}; choose "
                 "sizes whose product divides the number of processes (what they leave is "
                 "data parallel)"
+            )
+        if self.shard_group % self.ep:
+            raise ConfigError(
+                f"--ep_size {self.ep} does not divide the {self.shard_group} processes that "
+                "shard the model (dp_shard x cp): experts are spread over some of them; choose "
+                "an ep size that divides it"
             )
 
     def size(self, dim: str) -> int:
@@ -86,7 +97,8 @@ class ParallelLayout:
         else:
             parts = [f"dp {self.dp_shard}"]
         parts += [f"{dim} {self.size(dim)}" for dim in ("tp", "pp", "cp") if self.size(dim) > 1]
-        return " x ".join(parts)
+        experts = f" (experts over ep {self.ep})" if self.ep > 1 else ""
+        return " x ".join(parts) + experts
 
     def steps(self) -> list[ParallelLayout]:
         """Data parallel only, then each dimension added in turn, ending with this layout."""
@@ -96,6 +108,8 @@ class ParallelLayout:
             if self.size(dim) > 1:
                 sizes[dim] = self.size(dim)
                 layouts.append(ParallelLayout(self.num_processes, **sizes))
+        if self.ep > 1:
+            layouts.append(ParallelLayout(self.num_processes, **sizes, ep=self.ep))
         return layouts
 
     def as_dict(self) -> dict[str, Any]:
@@ -106,6 +120,7 @@ class ParallelLayout:
             "tp": self.tp,
             "pp": self.pp,
             "cp": self.cp,
+            "ep": self.ep,
             "shard_group": self.shard_group,
         }
 
@@ -117,6 +132,8 @@ class SplitParameter:
     elements: int
     trainable: bool
     split: bool
+    #: The index of the experts module holding it (-1: not an expert weight).
+    experts: int = -1
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,9 @@ class ProcessShare:
     total: int
     trainable: int
     largest_unit: int
+    #: Of ``total`` and ``trainable``: expert weights (split over ep, sharded over the rest).
+    experts: int = 0
+    trainable_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,15 +162,37 @@ class TensorParallelSplit:
     def split_elements(self) -> int:
         return sum(p.elements for p in self.parameters if p.split)
 
-    def per_process(self, tp: int, pp: int) -> ProcessShare:
-        """What one process of a ``tp`` x ``pp`` layout holds."""
+    @property
+    def expert_elements(self) -> int:
+        return sum(p.elements for p in self.parameters if p.experts >= 0)
+
+    def per_process(self, tp: int, pp: int, ep: int = 1) -> ProcessShare:
+        """What one process of a ``tp`` x ``pp`` layout (experts over ``ep``) holds."""
         # A split weight is padded to whole shards, as DTensor's uneven Shard is.
         local = [-(-p.elements // tp) if p.split else p.elements for p in self.parameters]
+        expert = [ep > 1 and p.experts >= 0 for p in self.parameters]
+        local = [-(-n // ep) if e else n for n, e in zip(local, expert, strict=True)]
         total = sum(local)
         trainable = sum(n for n, p in zip(local, self.parameters, strict=True) if p.trainable)
+        experts = sum(n for n, e in zip(local, expert, strict=True) if e)
+        trainable_experts = sum(
+            n for n, p, e in zip(local, self.parameters, expert, strict=True) if e and p.trainable
+        )
         # A stage still gathers its largest unit whole, however the stages are balanced.
-        largest = max(sum(local[i] for i in unit) for unit in self.units)
-        return ProcessShare(-(-total // pp), -(-trainable // pp), largest)
+        # Split experts are units of their own (each experts module), gathered over efsdp.
+        largest = max(sum(local[i] for i in unit if not expert[i]) for unit in self.units)
+        modules: dict[int, int] = {}
+        for n, p, e in zip(local, self.parameters, expert, strict=True):
+            if e:
+                modules[p.experts] = modules.get(p.experts, 0) + n
+        largest = max([largest, *modules.values()])
+        return ProcessShare(
+            -(-total // pp),
+            -(-trainable // pp),
+            largest,
+            -(-experts // pp),
+            -(-trainable_experts // pp),
+        )
 
     def describe(self, tp: int, total: int) -> str:
         what = (
@@ -160,6 +202,15 @@ class TensorParallelSplit:
             f"{self.split_elements:,} of {total:,} parameters"
         )
         return f"tp {tp}: {what} ({self.modules} modules), 1/{tp} of them per process"
+
+
+def experts_note(layout: ParallelLayout, split: TensorParallelSplit, total: int) -> str:
+    count = len({p.experts for p in split.parameters if p.experts >= 0})
+    return (
+        f"ep {layout.ep}: {split.expert_elements:,} of {total:,} parameters are experts "
+        f"({count} experts modules); each process holds 1/{layout.ep} of them, sharded over "
+        f"{layout.shard_group // layout.ep} (dp_shard x cp / ep)"
+    )
 
 
 def notes(layout: ParallelLayout, split: TensorParallelSplit | None, total: int) -> list[str]:
@@ -184,6 +235,8 @@ def notes(layout: ParallelLayout, split: TensorParallelSplit | None, total: int)
             f"dp_replicate {layout.dp_replicate}: each of {layout.dp_replicate} replicas holds "
             "the whole sharded state (HSDP)"
         )
+    if split is not None and layout.ep > 1:
+        lines.append(experts_note(layout, split, total))
     return lines
 
 
@@ -203,19 +256,31 @@ def _split_names(style: Any) -> tuple[str, ...]:
 
 
 def tensor_parallel_split(
-    model: nn.Module, units: Sequence[nn.Module], tp: int
+    model: nn.Module,
+    units: Sequence[nn.Module],
+    tp: int,
+    ep: int = 1,
+    ep_plan: Sequence[str] | None = None,
 ) -> TensorParallelSplit:
     """The split of ``model`` under its own tensor-parallel plan (else every nn.Linear
-    weight); ``units`` are its FSDP units. Raises when ``tp`` cannot split the plan's sizes."""
+    weight); ``units`` are its FSDP units. With ``ep > 1`` the experts (of ``ep_plan``, else
+    the model's own plan) are marked. Raises when ``tp`` or ``ep`` cannot split the sizes."""
     from torch import nn
 
+    from ..parallel.experts import inside_experts, resolve_experts
     from ..parallel.tensor_parallel import check_divisible, expand_plan, model_plan
 
+    experts = resolve_experts(model, ep_plan, ep) if ep > 1 else []
+    holder: dict[int, int] = {}
+    for position, found in enumerate(experts):
+        holder.update({id(p): position for p in found.module.parameters()})
     plan = model_plan(model)
     split: set[int] = set()
     modules = 0
     if plan:
         planned = expand_plan(model, plan, strict=False)
+        # Split experts are not tensor-parallel (the model-parallel strategy drops them).
+        planned = [entry for entry in planned if not inside_experts(entry.name, experts)]
         # The model-parallel strategy would refuse this tp_size: an estimate for it misleads.
         check_divisible(model, planned, tp)
         named = dict(model.named_modules())
@@ -236,7 +301,8 @@ def tensor_parallel_split(
     return TensorParallelSplit(
         model=type(model).__name__,
         parameters=tuple(
-            SplitParameter(p.numel(), p.requires_grad, id(p) in split) for p in parameters
+            SplitParameter(p.numel(), p.requires_grad, id(p) in split, holder.get(id(p), -1))
+            for p in parameters
         ),
         units=(own, *groups) if groups else (tuple(range(len(parameters))),),
         modules=modules,

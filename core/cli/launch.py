@@ -142,6 +142,12 @@ _NESTED: dict[str, list[tuple[str, str, Any, str]]] = {
             ("tp_size", int, "tensor-parallel processes (split each layer's weights)"),
             ("cp_size", int, "context-parallel processes (split each sequence; CUDA)"),
             ("pp_size", int, "pipeline stages"),
+            (
+                "ep_size",
+                int,
+                "expert-parallel processes: split the experts of MoE models (divides "
+                "dp_shard x cp)",
+            ),
             ("cp_comm_strategy", str, "context-parallel exchange: allgather or alltoall"),
             ("cp_backend", str, "context-parallel backend: torch"),
             ("sequence_parallel", str, "true: shard activations along the sequence between TP"),
@@ -150,6 +156,12 @@ _NESTED: dict[str, list[tuple[str, str, Any, str]]] = {
             ("pp_stages_per_rank", int, "stages per process for interleaved schedules"),
             ("pp_split_points", str, "comma-separated module names where stages start"),
             ("pp_balance", str, "split blocks by parameters (default) or count"),
+            (
+                "ep_plan",
+                str,
+                "comma-separated module-name patterns of the experts modules (default: the "
+                "model's own)",
+            ),
         )
     ],
 }

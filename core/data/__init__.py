@@ -10,13 +10,16 @@ from ..runtime.lazy import lazy_exports
 
 _EXPORTS = {
     "ActiveLoaders": "active_loaders",
+    "DataLoaderDispatcher": "loader",
     "DataLoaderPreparationError": "prepare",
+    "DataLoaderShard": "loader",
     "IterableDatasetShard": "iterable",
     "PreparedDataLoader": "loader",
     "SeedableRandomSampler": "samplers",
     "ShardedBatchSampler": "samplers",
     "SkipBatchSampler": "samplers",
     "prepare_data_loader": "prepare",
+    "shard_data_loader": "prepare",
     "skip_first_batches": "prepare",
 }
 

@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,10 +63,13 @@ def dispatched_batches(
     per_process: int,
     even_batches: bool = True,
     drop_last: bool = False,
+    slice_fn: Callable[..., Any] | None = None,
 ) -> Iterator[tuple[Any, int | None]]:
     """``(this process's slice, real rows of the global batch or None)`` for each
     global batch that the main process reads from ``source`` (other processes pass
-    ``None``). A collective: every data-parallel process must iterate it."""
+    ``None``). A collective: every data-parallel process must iterate it. ``slice_fn``
+    (Accelerate's ``slice_fn_for_dispatch``) cuts a process's rows instead of slicing
+    every tensor: ``slice_fn(batch, slice(start, stop), process_index=, num_processes=)``."""
     from ..runtime.collectives import broadcast_object_list
 
     world, index = state.num_processes, state.process_index
@@ -98,8 +101,15 @@ def dispatched_batches(
         if real is not None and not even_batches:
             share = -(-rows // world)
             start = min(rows, index * share)
-            yield _take(batch, start, min(rows, start + share)), real
+            stop = min(rows, start + share)
         else:
-            yield _take(batch, index * per_process, (index + 1) * per_process), real
+            start, stop = index * per_process, (index + 1) * per_process
+        if slice_fn is None:
+            yield _take(batch, start, stop), real
+        else:
+            yield (
+                slice_fn(batch, slice(start, stop), process_index=index, num_processes=world),
+                real,
+            )
         if last:
             return

@@ -12,7 +12,7 @@ rebuilt around a :class:`~slipstream.data.samplers.ShardedBatchSampler` or an
 
 Example::
 
-    loader = prepare_data_loader(DataLoader(ds, batch_size=16, shuffle=True), state=state)
+    loader = shard_data_loader(DataLoader(ds, batch_size=16, shuffle=True), state=state)
     for epoch in range(3):
         for batch in loader:   # epochs advance by themselves; set_epoch(e) also works
             ...
@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,15 @@ from .streaming import SelfShardedStream
 
 
 class PreparedDataLoader(DataLoader[Any]):
-    """A sharded, device-placing DataLoader. Build it with :func:`prepare_data_loader`."""
+    """A sharded, device-placing DataLoader. Build it with :func:`prepare_data_loader`.
+
+    Prepared loaders are instances of Accelerate's names too: :class:`DataLoaderDispatcher`
+    when the main process reads the batches and sends each process its slice
+    (``dispatch_batches``), :class:`DataLoaderShard` otherwise.
+    """
+
+    #: Accelerate's marker: ``prepare()`` hands a prepared object back as it is.
+    _is_accelerate_prepared = True
 
     def __init__(
         self,
@@ -49,9 +57,14 @@ class PreparedDataLoader(DataLoader[Any]):
         active_loaders: ActiveLoaders | None = None,
         non_blocking: bool = False,
         dispatch: Dispatch | None = None,
+        rng_types: Sequence[str] | None = None,
         **loader_kwargs: Any,
     ) -> None:
         super().__init__(dataset, **loader_kwargs)
+        #: Global RNGs ("torch", "cuda") set to the main process's state at the start of
+        #: every pass (Accelerate's ``rng_types``; shuffle generators are always kept in step).
+        names = [str(getattr(r, "value", r)).lower() for r in rng_types or ()]
+        self.rng_types = [name for name in names if name != "generator"]
         #: With ``dispatch_batches``: how the main process's global batches are shared.
         self.dispatch = dispatch
         #: Real rows of the batch just yielded: this process's (a stream that shards
@@ -71,6 +84,8 @@ class PreparedDataLoader(DataLoader[Any]):
         self._iterable_skip = 0
         #: Shuffle generators' states at the start of the current pass (for exact resume).
         self._pass_generator_states: list[torch.Tensor | None] = []
+        #: True from the start of a pass until it completes (or is started again).
+        self._in_pass = False
         self._generators_to_restore: list[torch.Tensor | None] | None = None
         #: Batches of the next pass already consumed before a checkpoint that the batch
         #: source itself resumes after (a stateful dataset), so nothing is re-read.
@@ -104,6 +119,10 @@ class PreparedDataLoader(DataLoader[Any]):
     def _start_pass(self) -> None:
         for obj in self._epoch_aware():
             obj.set_epoch(self._epoch)
+        if self.rng_types and self.state.num_processes > 1:
+            from ..runtime.synchronize import synchronize_rng_states
+
+            synchronize_rng_states(self.rng_types)
         generators = self._generators()
         if self._generators_to_restore is not None:
             for generator, saved in zip(generators, self._generators_to_restore, strict=False):
@@ -192,6 +211,7 @@ class PreparedDataLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._start_pass()
+        self._in_pass = True
         pending_skip = self.shard.skip_batches if isinstance(self.shard, ShardedBatchSampler) else 0
         iterable_skip, self._iterable_skip = self._iterable_skip, 0
         resumed, self._resumed_batches = self._resumed_batches, 0
@@ -205,7 +225,10 @@ class PreparedDataLoader(DataLoader[Any]):
         length = self._pass_length()
         self.batches_yielded = pending_skip + resumed
         self.end_of_dataloader = False
-        self.active_loaders.push(self)
+        # The loader may be handed to another Accelerator while it runs (prepare() adopts
+        # prepared loaders): this pass ends on the stack it started on.
+        active = self.active_loaders
+        active.push(self)
         try:
             for _ in range(iterable_skip):
                 if next(batches, _EXHAUSTED) is _EXHAUSTED:
@@ -213,7 +236,7 @@ class PreparedDataLoader(DataLoader[Any]):
                 if self._notes:
                     self._notes.popleft()
                 self.batches_yielded += 1
-            before_batch = self.active_loaders.before_batch
+            before_batch = active.before_batch
             if before_batch is not None:
                 batches = _checked(batches, before_batch)
             # Per-batch position updates write the instance dict directly: DataLoader's own
@@ -243,11 +266,12 @@ class PreparedDataLoader(DataLoader[Any]):
                     yield self._place(current)
                     current = upcoming
             self._epoch += 1
+            self._in_pass = False
             self.batches_yielded = 0
         finally:
-            self.active_loaders.pop(self)
-        if self.active_loaders.on_pass_end is not None:
-            self.active_loaders.on_pass_end(self)
+            active.pop(self)
+        if active.on_pass_end is not None:
+            active.on_pass_end(self)
 
     # -- streams that shard themselves, and dispatched batches -------------------------------
     @property
@@ -282,6 +306,7 @@ class PreparedDataLoader(DataLoader[Any]):
                 per_process=self.dispatch.per_process,
                 even_batches=self.dispatch.even_batches,
                 drop_last=self.dispatch.drop_last,
+                slice_fn=self.dispatch.slice_fn,
             )
         )
 
@@ -324,11 +349,22 @@ class PreparedDataLoader(DataLoader[Any]):
             "sampler": sampler.state_dict() if isinstance(sampler, SeedableRandomSampler) else None,
             "generators": [
                 state.tolist() if state is not None else None
-                for state in self._pass_generator_states
+                for state in self._resume_generator_states()
             ],
+            # Older checkpoints saved the generators only for a mid-pass resume.
+            "generators_for_next_pass": True,
             "num_processes": self.state.data_parallel_size,
             "split_batches": bool(getattr(self.shard, "split_batches", False)),
         }
+
+    def _resume_generator_states(self) -> list[torch.Tensor | None]:
+        """The shuffle generators' states the next pass after a resume must start from:
+        inside a pass (even before its first batch, where a preempted job saves), this
+        pass's starting states (its order is drawn again, then skipped into); between
+        passes, their states now (the next pass draws from them)."""
+        if self._in_pass or self.batches_yielded:
+            return self._pass_generator_states
+        return [g.get_state() if g is not None else None for g in self._generators()]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from the position saved by :meth:`state_dict` on the next pass."""
@@ -336,8 +372,11 @@ class PreparedDataLoader(DataLoader[Any]):
         sampler = getattr(self.shard, "sampler", None)
         if state.get("sampler") and isinstance(sampler, SeedableRandomSampler):
             sampler.load_state_dict(state["sampler"])
-        if state.get("generators") and state["batches_yielded"]:
-            # Mid-epoch: this pass's shuffle must be drawn from its starting state again.
+        if state.get("generators") and (
+            state["batches_yielded"] or state.get("generators_for_next_pass")
+        ):
+            # The next pass draws its order from the generators' saved states, as the
+            # interrupted run did (or would have, at an epoch boundary).
             self._generators_to_restore = [
                 torch.tensor(saved, dtype=torch.uint8) if saved is not None else None
                 for saved in state["generators"]
@@ -382,6 +421,33 @@ class Dispatch:
     per_process: int
     even_batches: bool = True
     drop_last: bool = False
+    #: Accelerate's ``slice_fn_for_dispatch``: ``slice_fn(batch, slice, process_index=,
+    #: num_processes=)`` cuts each process's rows (default: every tensor along dim 0).
+    slice_fn: Callable[..., Any] | None = None
+
+
+class DataLoaderShard(PreparedDataLoader):
+    """A prepared loader whose processes each load their own share of every global batch
+    (Accelerate's name, for ``isinstance`` checks). Build it with ``prepare()`` or
+    :func:`~slipstream.data.prepare_data_loader`.
+
+    Example::
+
+        loader = prepare_data_loader(DataLoader(ds, batch_size=8))
+        assert isinstance(loader, DataLoaderShard)
+    """
+
+
+class DataLoaderDispatcher(PreparedDataLoader):
+    """A prepared loader whose main process reads every global batch and sends each
+    process its slice (``dispatch_batches=True``; Accelerate's name, for ``isinstance``
+    checks). Build it with ``prepare()`` or :func:`~slipstream.data.prepare_data_loader`.
+
+    Example::
+
+        loader = prepare_data_loader(DataLoader(stream, batch_size=8), dispatch_batches=True)
+        assert isinstance(loader, DataLoaderDispatcher)   # with more than one process
+    """
 
 
 def _noted(

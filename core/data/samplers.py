@@ -4,7 +4,7 @@ Nothing here talks to other processes, so each rank's view can be computed (and 
 one process.
 
 * :class:`SeedableRandomSampler` — a shuffle that depends only on ``(seed, epoch)``, so all
-  ranks shuffle identically without communicating.
+  ranks shuffle identically without communicating (Accelerate's constructor works too).
 * :class:`ShardedBatchSampler` — hands each rank its part of every *global* batch: whole
   batches in turn (bucketing samplers keep their meaning) or, with ``split_batches``, a
   slice of each batch.
@@ -26,57 +26,144 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 
-class SeedableRandomSampler(Sampler[int]):
-    """A random order of ``range(length)`` that depends only on ``seed + epoch``.
+class SeedableRandomSampler(RandomSampler):
+    """A random order of the samples that depends only on ``seed + epoch``.
+
+    Two ways to build it:
+
+    * slipstream's: ``SeedableRandomSampler(length, seed, *, replacement, num_samples)``;
+    * Accelerate's: ``SeedableRandomSampler(data_source, replacement=False, num_samples=None,
+      generator=None, data_seed=None)``, the seed being ``data_seed`` or, without one,
+      ``torch.initial_seed()`` (so ``set_seed`` decides it).
+
+    Each pass draws from a generator seeded with ``seed + epoch`` (``generator`` when one is
+    given, re-seeded each pass as Accelerate does), and a complete pass moves on to the next
+    epoch, so a plain ``DataLoader`` reshuffles every epoch; ``set_epoch(e)`` replays epoch
+    ``e``. It is a ``RandomSampler`` and draws as one does, so epoch ``e``'s order is
+    ``RandomSampler``'s with a generator seeded ``seed + e``.
 
     Example::
 
         sampler = SeedableRandomSampler(100, seed=1234)
         sampler.set_epoch(3)
         order = list(sampler)   # identical on every process
+
+        sampler = SeedableRandomSampler(dataset, data_seed=1234)  # Accelerate's form
     """
 
     def __init__(
         self,
-        length: int,
-        seed: int,
-        *,
+        data_source: Sized | int | None = None,
+        *args: Any,
+        length: int | None = None,
+        seed: int | None = None,
         replacement: bool = False,
         num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        data_seed: int | None = None,
     ) -> None:
-        self.length = length
-        self.seed = int(seed)
+        if length is not None or (
+            isinstance(data_source, int) and not isinstance(data_source, bool)
+        ):
+            # slipstream's form: (length, seed, *, replacement, num_samples)
+            if length is not None and data_source is not None:
+                raise TypeError("pass the dataset (data_source) or its length, not both")
+            if len(args) > 1:
+                raise TypeError(
+                    "SeedableRandomSampler(length, seed, *, replacement, num_samples) takes "
+                    f"two positional arguments; got {1 + len(args)}"
+                )
+            if args:
+                if seed is not None:
+                    raise TypeError("seed given twice (positionally and by keyword)")
+                seed = args[0]
+            size = length if length is not None else data_source
+            assert isinstance(size, int)
+            if size < 0:
+                raise ValueError(f"length must be >= 0, got {size}")
+            data_source = range(size)
+        else:
+            # Accelerate's form: RandomSampler's arguments, then data_seed.
+            names = ("replacement", "num_samples", "generator", "data_seed")
+            if len(args) > len(names):
+                raise TypeError(
+                    "SeedableRandomSampler(data_source, replacement, num_samples, generator, "
+                    f"data_seed) takes at most 5 positional arguments; got {1 + len(args)}"
+                )
+            given = dict(zip(names, args, strict=False))
+            replacement = given.get("replacement", replacement)
+            num_samples = given.get("num_samples", num_samples)
+            generator = given.get("generator", generator)
+            data_seed = given.get("data_seed", data_seed)
+            if data_source is None or not isinstance(data_source, Sized):
+                raise TypeError(
+                    "SeedableRandomSampler takes a dataset (anything with a length) or "
+                    f"length=N; got {type(data_source).__name__}"
+                )
+        if seed is not None and data_seed is not None and int(seed) != int(data_seed):
+            raise TypeError(f"seed={seed} and data_seed={data_seed} disagree: pass one")
+        if not isinstance(replacement, bool):
+            raise TypeError(f"replacement should be a boolean value, got {replacement!r}")
+        if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 0):
+            raise ValueError(f"num_samples should be an integer >= 0, got {num_samples!r}")
+        # RandomSampler.__init__ is not called: it refuses empty datasets, which a sharded
+        # evaluation set can be; these are the attributes it sets.
+        self.data_source = data_source
         self.replacement = replacement
-        self.num_samples = length if num_samples is None else num_samples
+        self._num_samples = num_samples
+        self.generator = generator
+        chosen = seed if seed is not None else data_seed
+        self.seed = int(chosen) if chosen is not None else torch.initial_seed()
         self.epoch = 0
+
+    @property
+    def length(self) -> int:
+        """How many samples the order is drawn from."""
+        return len(self.data_source)
+
+    @property
+    def initial_seed(self) -> int:
+        """Accelerate's name for :attr:`seed`."""
+        return self.seed
+
+    @initial_seed.setter
+    def initial_seed(self, value: int) -> None:
+        self.seed = int(value)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __iter__(self) -> Iterator[int]:
-        if self.length == 0:
-            return
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        if self.replacement:
-            yield from torch.randint(
-                self.length, (self.num_samples,), dtype=torch.int64, generator=generator
-            ).tolist()
-            return
-        full, rest = divmod(self.num_samples, self.length)
-        for _ in range(full):
-            yield from torch.randperm(self.length, generator=generator).tolist()
-        if rest:
-            yield from torch.randperm(self.length, generator=generator)[:rest].tolist()
+        n = len(self.data_source)
+        if n:
+            # A generator of our own unless one was given: a sampler that owns no generator
+            # is one slipstream never needs to synchronise or checkpoint.
+            generator = self.generator if self.generator is not None else torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            yield from _random_order(n, self.num_samples, self.replacement, generator)
+        self.epoch += 1
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+
+
+def _random_order(
+    n: int, num_samples: int, replacement: bool, generator: torch.Generator
+) -> Iterator[int]:
+    """``RandomSampler``'s draws from ``generator`` (the same calls, so the same order)."""
+    if replacement:
+        for _ in range(num_samples // 32):
+            yield from torch.randint(n, (32,), dtype=torch.int64, generator=generator).tolist()
+        yield from torch.randint(
+            n, (num_samples % 32,), dtype=torch.int64, generator=generator
+        ).tolist()
+        return
+    for _ in range(num_samples // n):
+        yield from torch.randperm(n, generator=generator).tolist()
+    yield from torch.randperm(n, generator=generator).tolist()[: num_samples % n]
 
 
 def _chunks(indices: list[Any], parts: int) -> list[list[Any]]:

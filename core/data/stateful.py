@@ -45,8 +45,10 @@ def is_stateful(obj: Any) -> bool:
 
 
 @functools.cache
-def stateful_loader_class() -> type[PreparedDataLoader]:
-    """``PreparedDataLoader`` combined with torchdata's ``StatefulDataLoader``."""
+def stateful_loader_class(
+    base: type[PreparedDataLoader] = PreparedDataLoader,
+) -> type[PreparedDataLoader]:
+    """``base`` (a prepared loader class) combined with torchdata's ``StatefulDataLoader``."""
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError as error:
@@ -54,7 +56,7 @@ def stateful_loader_class() -> type[PreparedDataLoader]:
             f"use_stateful_dataloader needs torchdata's StatefulDataLoader: {_INSTALL}"
         ) from error
 
-    class StatefulPreparedDataLoader(PreparedDataLoader, StatefulDataLoader):
+    class StatefulPreparedDataLoader(base, StatefulDataLoader):  # type: ignore[valid-type,misc]
         """A prepared loader that is also a ``StatefulDataLoader`` (see the module)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -92,7 +94,8 @@ def stateful_loader_class() -> type[PreparedDataLoader]:
         def load_state_dict(self, state: dict[str, Any]) -> None:
             PreparedDataLoader.load_state_dict(self, state)
 
-    StatefulPreparedDataLoader.__qualname__ = "StatefulPreparedDataLoader"
+    name = f"Stateful{base.__name__}"
+    StatefulPreparedDataLoader.__name__ = StatefulPreparedDataLoader.__qualname__ = name
     return StatefulPreparedDataLoader
 
 

@@ -313,7 +313,9 @@ def _validate_parallelism(config: LaunchConfig, where: str) -> None:
     )
     try:
         sizes = parallel.resolve(config.num_processes)
-    except ConfigError:
+    except ConfigError as error:
+        if str(error).startswith("ep_size="):  # the sizes fit; the expert split does not
+            raise ConfigError(f"{where}: {_parallelism_message(str(error))}") from None
         raise ConfigError(
             f"{where}: parallelism_config: {shown} does not fit num_processes="
             f"{config.num_processes}; the sizes must multiply to num_processes (one of them may "
@@ -338,7 +340,8 @@ def _validate_parallelism(config: LaunchConfig, where: str) -> None:
 
 # ParallelismConfig's own messages name its options bare (``tp_size``).
 _BARE_PARALLEL_OPTION = re.compile(
-    r"(?<!\w)(dp_replicate_size|dp_shard_size|tp_size|cp_size|pp_size|cp_comm_strategy|cp_backend)"
+    r"(?<!\w)(dp_replicate_size|dp_shard_size|tp_size|cp_size|pp_size|ep_size|ep_plan"
+    r"|cp_comm_strategy|cp_backend)"
 )
 
 

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -36,7 +37,21 @@ class LaunchRequest:
 
 
 def torchrun_arguments(request: LaunchRequest) -> list[str]:
-    """The ``torchrun`` command line equivalent to ``request``."""
+    """The ``torchrun`` command line equivalent to ``request``.
+
+    Example::
+
+        torchrun_arguments(LaunchRequest(LaunchConfig(num_processes=2), "train.py", ["--lr", "1"]))
+        # ['--nproc_per_node=2', ..., '--module', 'slipstream.launcher.worker', 'train.py',
+        #  '--lr', '1']
+    """
+    flags, entry, entry_args = _torchrun_parts(request)
+    return [*flags, entry, *entry_args]
+
+
+def _torchrun_parts(request: LaunchRequest) -> tuple[list[str], str, list[str]]:
+    """``(launcher flags, entry point, the entry point's arguments)`` for ``request``: kept
+    apart so the script's own arguments never go through torchrun's parser."""
     config = request.config
     per_machine = config.num_processes // config.num_machines
     args = [
@@ -68,10 +83,31 @@ def torchrun_arguments(request: LaunchRequest) -> list[str]:
             f"--rdzv_conf=is_host={is_host}",
         ]
     if request.no_python:
-        return [*args, "--no_python", request.script, *request.script_args]
+        return [*args, "--no_python"], request.script, list(request.script_args)
     # Every worker runs through slipstream.launcher.worker, which records a crash for the summary.
     target = ["--module", request.script] if request.module else [request.script]
-    return [*args, "--module", "slipstream.launcher.worker", *target, *request.script_args]
+    return [*args, "--module"], "slipstream.launcher.worker", [*target, *request.script_args]
+
+
+def torchrun_namespace(request: LaunchRequest) -> argparse.Namespace:
+    """torchrun's parsed arguments for ``request``, as ``torch.distributed.run.run`` takes them.
+
+    Only the launcher's own flags and the entry point go through torchrun's parser: it
+    accepts abbreviations, so a script's ``--start`` would be read as ``--start-method`` (or
+    be refused as ambiguous) and ``--num`` as ``--numa-binding``. The script's arguments are
+    set afterwards, verbatim.
+
+    Example::
+
+        namespace = torchrun_namespace(LaunchRequest(config, "train.py", ["--start", "0"]))
+        namespace.training_script_args  # ['train.py', '--start', '0'] (after the worker)
+    """
+    from torch.distributed.run import get_args_parser
+
+    flags, entry, entry_args = _torchrun_parts(request)
+    namespace = get_args_parser().parse_args([*flags, entry])
+    namespace.training_script_args = entry_args
+    return namespace
 
 
 def worker_variables(config: LaunchConfig) -> dict[str, str]:
@@ -96,7 +132,7 @@ def launch(request: LaunchRequest) -> int:
     checkpoint because the job was preempted)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
     from ..runtime.preemption import REQUEUE_EXIT_CODE, signal_numbers
     from .lifecycle import forward_signals
@@ -107,7 +143,7 @@ def launch(request: LaunchRequest) -> int:
     # period); other preemption signals (SLURM's SIGUSR1) go to the workers, who save.
     death = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
     forward_signals([s for s in signal_numbers(config.preemption_signals) if s not in death])
-    torchrun_args = get_args_parser().parse_args(torchrun_arguments(request))
+    torchrun_args = torchrun_namespace(request)
     try:
         run(torchrun_args)
     except SignalException as stopped:

@@ -27,6 +27,10 @@ class StepState:
     sync_with_dataloader: bool = True
     #: Synchronise gradients on every micro-step (they still accumulate until the step).
     sync_each_batch: bool = False
+    #: Divide the losses of an epoch's short final cycle by the micro-batches it really has
+    #: (its update is that of one batch of their size) instead of by
+    #: ``gradient_accumulation_steps`` (Accelerate's and Lightning's arithmetic, the default).
+    average_short_cycles: bool = False
 
     def __post_init__(self) -> None:
         steps = self.gradient_accumulation_steps
@@ -38,8 +42,8 @@ class StepState:
         """Advance one micro-step.
 
         The last micro-step of a cycle, and the last batch of an epoch, synchronise.
-        ``batches_left`` (this one included), when the dataloader knows it, shortens the
-        final cycle of an epoch so its loss is averaged over the micro-batches it really has.
+        ``batches_left`` (this one included), when the dataloader knows it, gives the length
+        of the final cycle of an epoch (see ``average_short_cycles``).
         """
         steps = self.gradient_accumulation_steps
         if not self.sync_with_dataloader:
@@ -54,5 +58,6 @@ class StepState:
 
     @property
     def loss_divisor(self) -> int:
-        """What ``backward`` divides the loss by: the micro-batches of this cycle."""
-        return self.cycle_length
+        """What ``backward`` divides the loss by: ``gradient_accumulation_steps``, or with
+        ``average_short_cycles`` the micro-batches of this cycle."""
+        return self.cycle_length if self.average_short_cycles else self.gradient_accumulation_steps

@@ -175,16 +175,23 @@ class GradientAccumulationPlugin(KwargsHandler):
     but no unsynchronised gradient buffers: less memory under FSDP).
     ``adjust_scheduler``: accepted for Accelerate scripts; prepared schedulers never step
     between optimizer steps, so there is nothing to adjust.
+    ``average_short_cycles``: ``backward`` always divides the loss by ``num_steps``, as
+    Accelerate and Lightning do, so the short final cycle of an epoch (fewer micro-batches
+    than ``num_steps``) makes a smaller update; ``True`` divides that cycle's losses by the
+    micro-batches it really has, so every optimizer step is the update of one batch of the
+    micro-batches it saw (the exact mean).
 
     Example::
 
         Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4))
+        GradientAccumulationPlugin(num_steps=4, average_short_cycles=True)   # exact means
     """
 
     num_steps: int | None = None
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
+    average_short_cycles: bool = False
 
 
 ProfilerActivity = str  # "cpu", "cuda", "xpu", ...

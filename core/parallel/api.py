@@ -1,5 +1,6 @@
 """The Accelerator's parallel-layout members (Accelerate's names): the device mesh, each
-process's coordinates in it, and the context-parallel region.
+process's coordinates in it, the context-parallel region, and expert parallelism's
+coordinates and routing statistics.
 
 Example::
 
@@ -19,9 +20,11 @@ import torch
 from .config import ParallelismConfig, ParallelismConfigError
 
 if TYPE_CHECKING:
+    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..runtime.state import DistributedType, ProcessState
+    from .experts import ExpertLoad
 
 
 class ParallelMixin:
@@ -30,6 +33,7 @@ class ParallelMixin:
     # Provided by the Accelerator.
     state: ProcessState
     parallelism_config: ParallelismConfig | None
+    _models: list[nn.Module]
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -60,7 +64,7 @@ class ParallelMixin:
             raise ParallelismConfigError(
                 f"DeepSpeed cannot be combined with a parallel layout ({sizes.describe()}): "
                 "DeepSpeed ZeRO shards over all processes itself. Drop the parallelism_config "
-                "(or its tp/cp/pp and replicate sizes), or use FSDP2 instead of DeepSpeed"
+                "(or its tp/cp/pp/ep and replicate sizes), or use FSDP2 instead of DeepSpeed"
             )
         self.parallelism_config = None  # plain data parallelism: DeepSpeed's own
 
@@ -105,6 +109,39 @@ class ParallelMixin:
     @property
     def pipeline_parallel_rank(self) -> int:
         return self._mesh_rank("pp")
+
+    @property
+    def expert_parallel_rank(self) -> int:
+        """This process's index among the processes that split the experts (0 without
+        expert parallelism); it holds experts ``rank * E / ep_size`` onwards."""
+        return self._mesh_rank("ep")
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """How many processes split the experts (1 without expert parallelism)."""
+        from .mesh import ParallelMesh
+
+        mesh = self.state.mesh
+        return mesh.sizes.ep if isinstance(mesh, ParallelMesh) else 1
+
+    def expert_load(self) -> ExpertLoad:
+        """Tokens routed to each expert since the last call, summed over all processes
+        (a collective: every process calls it), per experts module of the prepared models;
+        ``.imbalance`` is ``max / mean`` per module, ``.metrics()`` values for ``log``.
+        Called once per optimizer step it gives the tokens per expert per step. Counted by
+        expert-parallel experts modules (``ep_size > 1``); empty otherwise.
+
+        Example::
+
+            load = accelerator.expert_load()
+            accelerator.log(load.metrics(), step=step)   # expert_load/max_imbalance, ...
+        """
+        from .experts import expert_load
+        from .mesh import ParallelMesh
+
+        mesh = self.state.mesh
+        group = mesh.token_mesh.get_group() if isinstance(mesh, ParallelMesh) else None
+        return expert_load(self._models, group)
 
     # -- context parallelism --------------------------------------------------------------
     @contextlib.contextmanager

@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,16 +40,16 @@ def _copies(gradient: Any, holders: int) -> int:
 
 
 def _local_parts(
-    gradients: list[torch.Tensor], holders: int
+    gradients: list[torch.Tensor], holders: list[int]
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Each gradient's local part to measure and how many processes hold that part."""
     from torch.distributed.tensor import DTensor, Replicate
 
     parts, copies = [], []
-    for gradient in gradients:
+    for gradient, holding in zip(gradients, holders, strict=True):
         if not isinstance(gradient, DTensor):
             parts.append(gradient)
-            copies.append(holders)
+            copies.append(holding)
             continue
         if any(p.is_partial() for p in gradient.placements):
             # Partial sums (a norm's weight under sequence parallelism): add them up first.
@@ -57,7 +57,7 @@ def _local_parts(
                 placements=[Replicate() if p.is_partial() else p for p in gradient.placements]
             )
         parts.append(gradient._local_tensor)
-        copies.append(_copies(gradient, holders))
+        copies.append(_copies(gradient, holding))
     return parts, copies
 
 
@@ -95,16 +95,21 @@ def total_norm(
     *,
     holders: int | None = None,
     group: Any = None,
+    each: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
     """The ``norm_type`` norm of all ``gradients`` of all processes together.
 
     ``holders``: how many processes hold the same set of parameters (all of them, except
-    under pipeline parallelism, where each stage's processes hold their own); ``group``:
-    the processes to reduce over (default: all). A collective when there are several
-    processes: every process must call it.
+    under pipeline parallelism, where each stage's processes hold their own); ``each``:
+    that number per gradient where it differs (``None`` entries: ``holders``) — e.g.
+    experts kept whole by some processes only; ``group``: the processes to reduce over
+    (default: all). A collective when there are several processes: every process must
+    call it.
     """
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    parts, copies = _local_parts(gradients, holders or world)
+    default = holders or world
+    counts = [c or default for c in each] if each is not None else [default] * len(gradients)
+    parts, copies = _local_parts(gradients, counts)
     return _reduce(parts, copies, float(norm_type), group)
 
 
@@ -114,12 +119,16 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     holders: int | None = None,
+    holders_of: Mapping[int, int] | None = None,
 ) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm``; returns the norm."""
+    """Scale gradients so their global norm is at most ``max_norm``; returns the norm.
+    ``holders_of``: ``id(parameter)`` -> processes holding it, where not ``holders``."""
     from torch.distributed.tensor import DTensor
 
-    gradients = [p.grad for p in parameters if p.grad is not None]
-    norm = total_norm(gradients, norm_type, holders=holders)
+    held = [p for p in parameters if p.grad is not None]
+    gradients = [p.grad for p in held if p.grad is not None]
+    each = [holders_of.get(id(p)) for p in held] if holders_of else None
+    norm = total_norm(gradients, norm_type, holders=holders, each=each)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for gradient in gradients:

@@ -21,28 +21,24 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..options.errors import ConfigError
+from .config_values import (
+    PIPELINE_BALANCE,
+    as_bool,
+    as_size,
+    plain_ep_plan,
+    schedule_name,
+)
+from .errors import ParallelismConfigError
 
 #: Mesh dimensions, outermost first (torchtitan's order). Data-parallel dims are
 #: ``dp_replicate`` and ``dp_shard``; processes that differ only in ``cp``, ``tp`` or ``pp``
 #: see the same samples.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
-#: Pipeline schedules (torch.distributed.pipelining's), by slipstream's names.
-PIPELINE_SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-PIPELINE_BALANCE = ("parameters", "count")
 CONFIG_PREFIX = "parallelism_config_"
 #: Style names (transformers' spelling) -> which weight dimension they split, for checks.
 #: "out" = the output features of a Linear (its weight's dim 0), "in" = its input features.
@@ -57,11 +53,10 @@ STYLE_SPLITS = {
     "embedding_colwise": "columns",
     "sequence_parallel": None,
     "replicate": None,
+    # transformers' name for a replicated weight whose gradient is summed over the TP ranks
+    # (Qwen3's per-head q_norm/k_norm, which see only this rank's heads).
+    "replicated_with_grad_allreduce": None,
 }
-
-
-class ParallelismConfigError(ConfigError):
-    """The parallel sizes or options cannot work with this job or model."""
 
 
 @dataclass
@@ -104,6 +99,9 @@ class MeshSizes:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    #: Expert parallelism: not a dimension of its own but a split of dp_shard x cp (it
+    #: divides it): the experts are spread over ``ep`` of those processes.
+    ep: int = 1
 
     def size(self, dim: str) -> int:
         return int(getattr(self, dim))
@@ -124,18 +122,21 @@ class MeshSizes:
 
     def describe(self) -> str:
         parts = [f"{d}={self.size(d)}" for d in MESH_DIMS if self.size(d) > 1]
-        return " x ".join(parts) or "one process"
+        experts = f" (experts over ep={self.ep})" if self.ep > 1 else ""
+        return (" x ".join(parts) or "one process") + experts
 
     def beyond_data_parallel(self) -> list[str]:
         """The dimensions a data-parallel engine such as DeepSpeed ZeRO (which shards over
-        every process itself) cannot work inside: tp, cp, pp, or both dp dims (HSDP)."""
-        model_parallel = [d for d in ("tp", "cp", "pp") if self.size(d) > 1]
+        every process itself) cannot work inside: tp, cp, pp, ep, or both dp dims (HSDP)."""
+        model_parallel = [d for d in ("tp", "cp", "pp", "ep") if self.size(d) > 1]
         if model_parallel:
             return model_parallel
         return ["dp_replicate", "dp_shard"] if self.dp_replicate > 1 and self.dp_shard > 1 else []
 
 
 TensorParallelPlan = Mapping[str, Any]
+#: Module-name patterns of the experts modules (a list, or a mapping to ``"experts"``).
+ExpertParallelPlan = Mapping[str, str] | Sequence[str]
 
 
 @dataclass
@@ -173,9 +174,22 @@ class ParallelismConfig:
         cp_backend: ``"torch"`` (the only one; accepted for Accelerate compatibility).
         tp_handler: Accelerate's tensor-parallel options (:class:`TorchTensorParallelConfig`).
         cp_handler: Accelerate's context-parallel options (:class:`TorchContextParallelConfig`).
+        ep_size: processes that split the experts of a mixture-of-experts model (expert
+            parallelism). Not a mesh dimension of its own: it divides ``dp_shard_size x
+            cp_size``; each process keeps ``num_experts / ep_size`` experts, tokens travel to
+            their experts with ``all_to_all``. See docs/moe.md.
+        ep_plan: module-name patterns of the experts modules (a list, or a mapping to
+            ``"experts"``; transformers' ``"ep_dispatch_experts"`` spelling is accepted), or a
+            function of the model that returns one. ``None`` uses a transformers model's own
+            ``base_model_ep_plan``.
 
     A size left unset is 1. If no size is given at all, every process is a data-parallel
-    replica (like Accelerate). One size may be ``-1``: it takes what the others leave.
+    replica (like Accelerate); with only ``ep_size``, every process shards (FSDP2). One size
+    may be ``-1``: it takes what the others leave.
+
+    Example::
+
+        ParallelismConfig(dp_shard_size=4, ep_size=2)   # experts over 2 of the 4 shards
     """
 
     dp_replicate_size: int | None = None
@@ -194,6 +208,8 @@ class ParallelismConfig:
     pp_balance: str = "parameters"
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
+    ep_size: int | None = None
+    ep_plan: ExpertParallelPlan | Callable[[Any], ExpertParallelPlan | None] | None = None
     #: Set by :meth:`resolve`: the sizes actually used.
     sizes: MeshSizes | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -210,6 +226,10 @@ class ParallelismConfig:
                 raise ParallelismConfigError(
                     f"{name}_size must be a positive integer (or -1 for the rest), got {size!r}"
                 )
+        if self.ep_size is not None and (not isinstance(self.ep_size, int) or self.ep_size < 1):
+            raise ParallelismConfigError(
+                f"ep_size must be a positive integer, got {self.ep_size!r}"
+            )
         if self.cp_backend != "torch":
             raise ParallelismConfigError(
                 f"cp_backend must be 'torch' (torch's context-parallel attention), got "
@@ -247,7 +267,8 @@ class ParallelismConfig:
         """The sizes for ``world_size`` processes; raises when they cannot multiply to it."""
         given = self._given()
         if all(size is None for size in given.values()):
-            given["dp_replicate"] = world_size
+            # Experts are split over shards, so with only ep_size every process shards.
+            given["dp_shard" if self._size("ep") > 1 else "dp_replicate"] = world_size
         sizes = {name: (1 if size is None else size) for name, size in given.items()}
         auto = [name for name, size in sizes.items() if size == -1]
         fixed = math.prod(size for size in sizes.values() if size != -1)
@@ -265,7 +286,21 @@ class ParallelismConfig:
                 f"{world_size} process(es); make dp_replicate_size x dp_shard_size x cp_size x "
                 f"tp_size x pp_size equal {world_size} (or set one of them to -1)"
             )
-        resolved = MeshSizes(**sizes)
+        ep = self._size("ep")
+        shards = sizes["dp_shard"] * sizes["cp"]
+        if shards % ep:
+            raise ParallelismConfigError(
+                f"ep_size={ep} does not divide dp_shard_size x cp_size = {shards}: expert "
+                "parallelism spreads the experts over processes that shard the rest of the "
+                f"model; choose an ep_size that divides {shards} (or a larger dp_shard_size)"
+            )
+        if ep > 1 and self.sequence_parallel and sizes["tp"] > 1:
+            raise ParallelismConfigError(
+                "ep_size > 1 with sequence_parallel=True is not supported: between the "
+                "tensor-parallel regions each TP process would route other tokens to the same "
+                "experts; use plain tensor parallelism (sequence_parallel=False) with experts"
+            )
+        resolved = MeshSizes(**sizes, ep=ep)
         self.sizes = resolved
         return resolved
 
@@ -297,6 +332,10 @@ class ParallelismConfig:
         return self._size("pp") > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self._size("ep") > 1
+
+    @property
     def total_size(self) -> int:
         return math.prod(self._size(d) for d in MESH_DIMS)
 
@@ -311,7 +350,7 @@ class ParallelismConfig:
     @property
     def model_parallel(self) -> bool:
         """Whether anything beyond plain data parallelism is asked for."""
-        return self.tp_enabled or self.cp_enabled or self.pp_enabled
+        return self.tp_enabled or self.cp_enabled or self.pp_enabled or self.ep_enabled
 
     @property
     def active_mesh_dims(self) -> list[str]:
@@ -321,7 +360,7 @@ class ParallelismConfig:
     def to_config(self) -> dict[str, Any]:
         """The ``parallelism_config:`` block (sizes and plain options only)."""
         block: dict[str, Any] = {}
-        for dim in ("dp_replicate", "dp_shard", "tp", "cp", "pp"):
+        for dim in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"):
             value = getattr(self, f"{dim}_size")
             if value is not None:
                 block[f"{CONFIG_PREFIX}{dim}_size"] = value
@@ -338,6 +377,8 @@ class ParallelismConfig:
             isinstance(v, str) for v in self.tp_plan.values()
         ):
             block[f"{CONFIG_PREFIX}tp_plan"] = dict(self.tp_plan)
+        if self.ep_plan is not None and not callable(self.ep_plan):
+            block[f"{CONFIG_PREFIX}ep_plan"] = plain_ep_plan(self.ep_plan)
         assert self.cp_handler is not None
         if self.cp_handler.cp_comm_strategy != "allgather":
             block[f"{CONFIG_PREFIX}cp_comm_strategy"] = self.cp_handler.cp_comm_strategy
@@ -364,11 +405,11 @@ class ParallelismConfig:
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise ParallelismConfigError(f"parallelism_config: unknown key '{raw_key}'{hint}")
             if key.endswith("_size"):
-                values[key] = _as_size(raw_key, value)
+                values[key] = as_size(raw_key, value)
             elif key == "sequence_parallel":
-                values[key] = _as_bool(raw_key, value)
+                values[key] = as_bool(raw_key, value)
             elif key == "sequence_dim":
-                values[key] = _as_size(raw_key, value)
+                values[key] = as_size(raw_key, value)
             elif key == "tp_plan":
                 if not isinstance(value, Mapping):
                     raise ParallelismConfigError(
@@ -377,10 +418,12 @@ class ParallelismConfig:
                     )
                 values[key] = {str(k): str(v) for k, v in value.items()}
                 _check_style_names(raw_key, values[key])
+            elif key == "ep_plan":
+                values[key] = plain_ep_plan(value, raw_key)
             elif key == "cp_comm_strategy":
                 comm_strategy = str(value)
             elif key in ("pp_microbatches", "pp_stages_per_rank"):
-                values[key] = None if value in (None, "") else _as_size(raw_key, value)
+                values[key] = None if value in (None, "") else as_size(raw_key, value)
             elif key == "pp_split_points":
                 values[key] = (
                     [p.strip() for p in value.split(",") if p.strip()]
@@ -401,6 +444,8 @@ _CONFIG_KEYS = (
     "tp_size",
     "cp_size",
     "pp_size",
+    "ep_size",
+    "ep_plan",
     "cp_backend",
     "cp_comm_strategy",
     "tp_plan",
@@ -422,17 +467,6 @@ _UNSUPPORTED_ACCELERATE_KEYS: dict[str, tuple[Any, ...]] = {
 }
 
 
-def schedule_name(name: str) -> str:
-    """slipstream's name for a pipeline schedule (torch's class names are accepted too)."""
-    lowered = str(name).strip().lower().replace("-", "_")
-    for ours, theirs in PIPELINE_SCHEDULES.items():
-        if lowered in (ours, theirs.lower(), theirs.lower().removeprefix("schedule")):
-            return ours
-    raise ParallelismConfigError(
-        f"unknown pipeline schedule {name!r}; use one of {', '.join(PIPELINE_SCHEDULES)}"
-    )
-
-
 def _check_style_names(key: str, plan: Mapping[str, str]) -> None:
     """Style names in a config block are checked when it is read, so a typo stops the
     launcher instead of every worker."""
@@ -449,20 +483,3 @@ def _check_style_names(key: str, plan: Mapping[str, str]) -> None:
 def _product(sizes: Mapping[str, int]) -> str:
     shown = [f"{name}_size={size}" for name, size in sizes.items() if size != 1]
     return " x ".join(shown) or "1"
-
-
-def _as_size(key: str, value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ParallelismConfigError(
-            f"parallelism_config: {key} must be an integer (or -1), got {value!r}"
-        ) from None
-
-
-def _as_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-        return value.lower() in ("true", "yes", "1")
-    raise ParallelismConfigError(f"parallelism_config: {key} must be true or false, got {value!r}")

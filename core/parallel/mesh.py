@@ -8,7 +8,10 @@ Derived views:
 * ``dp`` — dp_replicate x dp_shard: processes that see different samples (data loading,
   ``gather_for_metrics``, ``reduce``);
 * ``fsdp`` — what FSDP2 shards over: dp_shard x cp (context-parallel ranks hold the same
-  weights), as a 2-D mesh with dp_replicate for HSDP.
+  weights), as a 2-D mesh with dp_replicate for HSDP;
+* ``ep`` — with expert parallelism, dp_shard x cp split in two (torchtitan's layout):
+  ``ep`` consecutive shards spread the experts between them, and FSDP2 shards each expert
+  over the rest (``efsdp`` = dp_shard x cp / ep, with dp_replicate for HSDP).
 
 Example::
 
@@ -63,6 +66,12 @@ class ParallelMesh:
         # The processes of one pipeline stage: every dimension but pp.
         stage_dims = tuple(d for d in self.dim_names if d != "pp")
         self._stage = self._flattened(stage_dims, "stage") if sizes.pp > 1 else None
+        self._experts = self._expert_meshes() if sizes.ep > 1 else None
+        self._tokens = self._data_parallel
+        if sizes.cp > 1:  # context-parallel processes hold other tokens of the same samples
+            self._tokens = self._shard
+            if sizes.dp_replicate > 1:
+                self._tokens = self._flattened(("dp_replicate", "dp_shard", "cp"), "dp_cp")
         quiet_dtensor_notices()
 
     def _flattened(self, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -70,10 +79,39 @@ class ParallelMesh:
             return self.mesh[dims[0]]
         return self.mesh[dims]._flatten(name)
 
+    def _expert_meshes(self) -> DeviceMesh:
+        # Unflattening the shard dimension keeps one root mesh, which FSDP2 needs to put its
+        # sharding of an expert next to the expert split (one DTensor over both).
+        shard_name = "dp_shard_cp" if self.sizes.cp > 1 else "dp_shard"
+        shards = self.sizes.dp_shard * self.sizes.cp
+        both = self.mesh["dp_replicate", shard_name]
+        ep = self.sizes.ep
+        return both._unflatten(shard_name, (shards // ep, ep), ("efsdp", "ep"))
+
     # -- views --------------------------------------------------------------------------
     def submesh(self, dim: str) -> DeviceMesh | None:
-        """The 1-D mesh of ``dim``, or ``None`` when that dimension is not used."""
+        """The 1-D mesh of ``dim``, or ``None`` when that dimension is not used (``"ep"``:
+        the processes that split the experts between them)."""
+        if dim == "ep":
+            return self._experts["ep"] if self._experts is not None else None
         return self.mesh[dim] if dim in self.dim_names else None
+
+    @property
+    def expert_shard_mesh(self) -> DeviceMesh | None:
+        """What FSDP2 shards each expert over under expert parallelism (the shards that hold
+        the same experts: 1-D, or 2-D with the replicas for HSDP); ``None`` without it."""
+        if self._experts is None:
+            return None
+        if self.sizes.dp_replicate > 1:
+            return self._experts["dp_replicate", "efsdp"]
+        return self._experts["efsdp"]
+
+    @property
+    def token_mesh(self) -> DeviceMesh:
+        """Processes that hold different tokens of a batch: the data-parallel ones and the
+        context-parallel ones (flattened). Batch statistics such as a router's load are
+        summed over these."""
+        return self._tokens
 
     @property
     def data_parallel_mesh(self) -> DeviceMesh:
@@ -95,7 +133,9 @@ class ParallelMesh:
 
     # -- coordinates --------------------------------------------------------------------
     def local_rank(self, dim: str) -> int:
-        """This process's index along ``dim`` (0 for unused dimensions)."""
+        """This process's index along ``dim`` (0 for unused dimensions; ``"ep"`` too)."""
+        if dim == "ep":
+            return self._experts.get_local_rank("ep") if self._experts is not None else 0
         return self.mesh.get_local_rank(dim) if dim in self.dim_names else 0
 
     @property

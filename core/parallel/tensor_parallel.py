@@ -74,6 +74,11 @@ def make_style(name: str, *, sequence_parallel: bool, sequence_dim: int) -> Para
                 "layers around them take and give sequence shards"
             )
         return SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
+    if name == "replicated_with_grad_allreduce":
+        # A norm between a column- and a row-wise layer sees only this process's heads: its
+        # weight stays whole, and marking the input as split (along any dimension but the
+        # normalised one) makes DTensor sum the weight's partial gradients over the TP ranks.
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     if name == "replicate":
         return None
     raise ParallelismConfigError(
@@ -122,7 +127,8 @@ class PlannedModule:
     style: Any  # a style name or a ParallelStyle
 
 
-def _matches(pattern: str, name: str) -> bool:
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether a module name fits a plan pattern (``*`` matches one dotted part)."""
     wanted, parts = pattern.split("."), name.split(".")
     return len(wanted) == len(parts) and all(
         fnmatch.fnmatchcase(part, want) for part, want in zip(parts, wanted, strict=True)
@@ -135,7 +141,7 @@ def expand_plan(model: nn.Module, plan: Mapping[str, Any], *, strict: bool) -> l
     modules = [name for name, _ in model.named_modules() if name]
     planned: dict[str, PlannedModule] = {}
     for pattern, style in plan.items():
-        hits = [name for name in modules if _matches(pattern, name)]
+        hits = [name for name in modules if name_matches(pattern, name)]
         if not hits and strict:
             raise ParallelismConfigError(
                 f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__}; "

@@ -26,6 +26,7 @@ from .tree import map_structure, map_tensors, replace_tensors, tensor_leaves
 __all__ = [
     "broadcast",
     "broadcast_object_list",
+    "copy_tensor_to_devices",
     "gather",
     "gather_object",
     "pad_across_processes",
@@ -43,7 +44,9 @@ def _state(state: ProcessState | None) -> ProcessState:
 def _gather_tensor(tensor: torch.Tensor, state: ProcessState) -> torch.Tensor:
     if tensor.ndim == 0:
         tensor = tensor.reshape(1)
-    tensor = tensor.contiguous()
+    # The gathered values carry no autograd history (as Accelerate's); gathering a tensor
+    # that requires grad would otherwise fail inside the in-place collective.
+    tensor = tensor.detach().contiguous()
     output = torch.empty(
         (state.num_processes * tensor.shape[0], *tensor.shape[1:]),
         dtype=tensor.dtype,
@@ -259,6 +262,34 @@ def broadcast_object_list(
     )
     dist.broadcast_object_list(objects, src=state.global_rank(from_process), group=state.group)
     return objects
+
+
+@collective("copy_tensor_to_devices")
+def copy_tensor_to_devices(
+    tensor: torch.Tensor | None = None, *, state: ProcessState | None = None
+) -> torch.Tensor:
+    """The tensor that one process holds, on every process: the others pass ``None`` and
+    need not know its shape or dtype (unlike :func:`broadcast`).
+
+    Example::
+
+        table = build_table() if accelerator.is_main_process else None
+        table = copy_tensor_to_devices(table)
+    """
+    state = _state(state)
+    owners = gather_object(
+        [(tuple(tensor.shape), tensor.dtype) if tensor is not None else None], state=state
+    )
+    held = [i for i, entry in enumerate(owners) if entry is not None]
+    if len(held) != 1:
+        raise ValueError(
+            "copy_tensor_to_devices needs the tensor on exactly one process (None on the "
+            f"others); processes {held or 'none'} passed one"
+        )
+    shape, dtype = owners[held[0]]
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=dtype, device=state.device)
+    return broadcast(tensor.to(state.device).contiguous(), held[0], state=state)
 
 
 def _check_source(from_process: int, state: ProcessState) -> None:

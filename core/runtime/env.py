@@ -229,6 +229,14 @@ def provide_local_rank() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
 
 
+def connect_gloo_lazily() -> None:
+    """Let gloo connect the processes at their first collective, not when the group is
+    formed (torch's ``TORCH_GLOO_LAZY_INIT``): forming a group then never waits for peers,
+    as with NCCL on GPUs, so a notebook worker that ends without communicating cannot leave
+    another waiting. The user's own setting wins."""
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+
+
 def slurm_job_id() -> str | None:
     """The SLURM job this process belongs to, if any (for requeueing it)."""
     return os.environ.get("SLURM_JOB_ID") or None

@@ -17,7 +17,12 @@ _PEER_GONE = (
 )
 
 
-class CollectiveMismatchError(RuntimeError):
+class DistributedOperationException(Exception):
+    """A collective cannot run with what the processes passed (Accelerate's name: scripts
+    catch it around collectives in debug mode)."""
+
+
+class CollectiveMismatchError(DistributedOperationException, RuntimeError):
     """Ranks called different collectives, or the same one with incompatible data."""
 
 
@@ -36,7 +41,8 @@ def guarded(operation: str, rank: int) -> Iterator[None]:
         yield
     except RuntimeError as error:
         text = str(error)
-        if "Timed out" in text or "timed out" in text or "Timeout" in text:
+        # "Connect timeout": gloo connects at the first collective (see connect_gloo_lazily).
+        if "timed out" in text.lower() or "timeout" in text.lower():
             raise CollectiveTimeoutError(
                 f"collective '{operation}' on process {rank} timed out waiting for the other "
                 "processes. Usually one process skipped this call or called another collective; "

@@ -16,7 +16,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -26,8 +28,32 @@ from .state import (
     current_state,
     has_current_state,
     join_or_build_state,
-    set_current_state,
+    reset_shared_state,
 )
+
+
+class SharedStateView(Mapping[str, Any]):
+    """What Accelerate's ``_shared_state`` dict holds, read live: scripts compare it with
+    ``{}`` to ask whether a state exists (``if PartialState._shared_state != {}``)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, Any]]) -> None:
+        self._read = read
+
+    def __getitem__(self, key: str) -> Any:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict(self._read()))
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return f"SharedStateView({dict(self._read())!r})"
+
+
+def _process_state_fields() -> Mapping[str, Any]:
+    return vars(current_state()) if has_current_state() else {}
 
 
 class PartialState(ProcessControl):
@@ -44,6 +70,8 @@ class PartialState(ProcessControl):
         with state.main_process_first():
             dataset = load_dataset()          # downloads once, then the others read the cache
     """
+
+    _shared_state: Mapping[str, Any] = SharedStateView(_process_state_fields)
 
     def __init__(
         self,
@@ -75,11 +103,26 @@ class PartialState(ProcessControl):
     def num_nodes(self) -> int:
         return max(1, self.state.num_processes // max(1, self.state.num_local_processes))
 
+    @property
+    def debug(self) -> bool:
+        """Whether collectives first check that every process passes matching data (and
+        raise :class:`~slipstream.runtime.errors.DistributedOperationException` otherwise);
+        assignable, as in Accelerate (``PartialState().debug = True``)."""
+        return self.state.debug
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        self.state.debug = bool(value)
+
     def destroy_process_group(self) -> None:
         """Leave the process group (if this job formed it) and forget the shared state."""
-        self.state.destroy()
-        if has_current_state() and current_state() is self.state:
-            set_current_state(None)
+        self.state.destroy_process_group()
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = True) -> None:
+        """Accelerate's reset between experiments: forget this process's state (the next
+        PartialState or Accelerator builds a new one over the existing process group)."""
+        reset_shared_state(reset_partial_state)
 
     def __repr__(self) -> str:
         return (

@@ -32,13 +32,24 @@ if TYPE_CHECKING:
 
 
 class DistributedType(str, enum.Enum):
-    """How work is spread over processes (the same names as Accelerate's)."""
+    """How work is spread over processes (Accelerate's names, all of them, so scripts that
+    compare against ``XLA`` or ``MULTI_NPU`` run; slipstream reports NO, MULTI_CPU,
+    MULTI_GPU, FSDP and DEEPSPEED)."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
     DEEPSPEED = "DEEPSPEED"
     FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
 
 #: How long a collective may wait for the other processes before failing (torch's default;
@@ -119,6 +130,8 @@ class ProcessState:
         self.parallelism: Any = None
         self.mesh: JobMesh | None = None
         self._data_parallel: ProcessState | None = None
+        #: The job's distributed type as the active Accelerator's strategy reports it.
+        self._reported_type: DistributedType | None = None
 
     @classmethod
     def from_environment(
@@ -228,13 +241,23 @@ class ProcessState:
         return self.process_index == self.num_processes - 1
 
     @property
-    def distributed_type(self) -> DistributedType:
-        """The data-parallel type implied by the devices (strategies may refine it)."""
+    def device_distributed_type(self) -> DistributedType:
+        """The data-parallel type the devices imply: NO, MULTI_CPU or MULTI_GPU."""
         if self.num_processes == 1:
             return DistributedType.NO
         return (
             DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
         )
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """How the job spreads work: the active Accelerator's strategy (FSDP, DEEPSPEED, ...)
+        once there is one, else what the devices imply. Assignable, as Accelerate's."""
+        return self._reported_type or self.device_distributed_type
+
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType | str) -> None:
+        self._reported_type = DistributedType(value)
 
     # -- the parallel layout (arranged by slipstream.parallel.mesh.configure_parallelism) ----
     def set_layout(self, parallelism: Any, mesh: JobMesh) -> None:
@@ -313,6 +336,18 @@ class ProcessState:
         self.owns_process_group = False
         self.mesh = None
         self._data_parallel = None
+
+    def destroy_process_group(self) -> None:
+        """Leave the process group (if this job formed it) and forget this state, so a
+        later Accelerator or PartialState starts afresh (Accelerate's name)."""
+        self.destroy()
+        if _current is self:
+            set_current_state(None)
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Accelerate's ``AcceleratorState._reset_state``: see :func:`reset_shared_state`."""
+        reset_shared_state(reset_partial_state)
 
     def __repr__(self) -> str:
         return (
@@ -418,3 +453,24 @@ def join_or_build_state(
     )
     set_current_state(state)
     return state
+
+
+#: Bumped by :func:`reset_shared_state`: Accelerators made before then refuse to prepare.
+_generation = 0
+
+
+def shared_state_generation() -> int:
+    """How many times the shared state was reset in this process."""
+    return _generation
+
+
+def reset_shared_state(reset_partial_state: bool = False) -> None:
+    """Start over as Accelerate's ``AcceleratorState._reset_state()`` does (notebooks and
+    test suites call it between experiments): Accelerators created before it stop working
+    (their ``prepare`` raises, instead of mixing old settings into a new run). The process
+    group stays; with ``reset_partial_state`` this process's state is forgotten too, and the
+    next Accelerator or PartialState builds a new one (adopting the existing group)."""
+    global _generation
+    _generation += 1
+    if reset_partial_state:
+        set_current_state(None)

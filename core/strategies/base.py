@@ -48,7 +48,7 @@ class Strategy:
 
     @property
     def distributed_type(self) -> DistributedType:
-        return self.state.distributed_type
+        return self.state.device_distributed_type
 
     # -- wrapping -------------------------------------------------------------------------
     def setup(
@@ -118,8 +118,9 @@ class Strategy:
     def save_model_checkpoint(
         self, model: nn.Module, state_dict: dict[str, Any], writer: CheckpointWriter, index: int
     ) -> None:
-        """Replicated weights: the main process writes ``model[_i].safetensors``."""
-        if self.state.is_main_process:
+        """Replicated weights: the folder's owner (the main process) writes
+        ``model[_i].safetensors``."""
+        if writer.owner:
             writer.save_tensors(indexed_name("model", index, ".safetensors"), state_dict)
 
     def load_model_checkpoint(
@@ -139,7 +140,7 @@ class Strategy:
     def save_optimizer_checkpoint(
         self, optimizer: torch.optim.Optimizer, writer: CheckpointWriter, index: int
     ) -> None:
-        if self.state.is_main_process:
+        if writer.owner:
             writer.save_object(indexed_name("optimizer", index, ".bin"), optimizer.state_dict())
 
     def load_optimizer_checkpoint(

@@ -37,11 +37,16 @@ class DDPStrategy(Strategy):
         self.comm_hook = Hook(comm_hook or Hook.NO)
         self.comm_wrapper = Hook(comm_wrapper or Hook.NO)
         self.comm_state_option = dict(comm_state_option or {})
-        if Hook.BF16 in (self.comm_hook, self.comm_wrapper) and state.device.type != "cuda":
+        # torch registers its bf16 hooks only with NCCL on CUDA (or XCCL on XPU) and raises
+        # from inside prepare otherwise; say so here, before any model is wrapped.
+        if Hook.BF16 in (self.comm_hook, self.comm_wrapper) and state.device.type not in (
+            "cuda",
+            "xpu",
+        ):
             raise ValueError(
                 "bf16 gradient communication (comm_hook or comm_wrapper 'bf16') needs GPUs "
-                f"with NCCL (torch's bf16 all-reduce); on {state.device.type} processes use "
-                "'fp16' instead"
+                f"with NCCL (torch's bf16 all-reduce; XPUs with XCCL); on {state.device.type} "
+                "processes use 'fp16' instead"
             )
 
     def wrap_model(self, model: nn.Module, *, device_placement: bool) -> nn.Module:

@@ -88,14 +88,15 @@ class FSDPStrategy(Strategy):
         """Submodules sharded as their own units (children before parents)."""
         plugin = self.plugin
         if plugin.auto_wrap_policy == "transformer_based_wrap":
+            names = plugin.wrap_classes(model)
             present = {type(m).__name__ for m in model.modules()}
-            missing = [n for n in plugin.transformer_cls_names_to_wrap if n not in present]
+            missing = [n for n in names if n not in present]
             if missing:
                 raise ValueError(
                     f"transformer_cls_names_to_wrap names {missing} that match no module of "
                     f"{type(model).__name__}; its module classes are: {', '.join(sorted(present))}"
                 )
-            wanted = set(plugin.transformer_cls_names_to_wrap)
+            wanted = set(names)
             return [m for m in model.modules() if m is not model and type(m).__name__ in wanted][
                 ::-1
             ]

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import dataclasses
 import logging
-import os
-import shutil
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -116,19 +115,137 @@ def merge_fsdp_weights(
     ``.metadata`` file, or a ``save_state`` folder holding ``pytorch_model_fsdp_0``) into
     ``output_path/model.safetensors`` (``pytorch_model.bin`` without
     ``safe_serialization``; shards and an index above 10GB), on the main process; the
-    others wait. The command line does the same: ``slipstream merge-weights``.
-    """
-    from ..checkpoint import save_weights
-    from ..checkpoint.merge import find_sharded_weights, load_sharded_weights
+    others wait, and an error on the main process raises on all of them. The command line
+    does the same: ``slipstream merge-weights``.
 
-    state = process_state()
-    if state.is_main_process:
-        folder = find_sharded_weights(os.fspath(checkpoint_dir))
-        save_weights(
-            load_sharded_weights(folder),
-            os.fspath(output_path),
-            safe_serialization=safe_serialization,
+    Example::
+
+        merge_fsdp_weights("ckpt/pytorch_model_fsdp_0", "merged/")
+    """
+    from ..checkpoint.merge import merge_weights
+
+    merge_weights(
+        checkpoint_dir,
+        output_path,
+        safe_serialization=safe_serialization,
+        remove_checkpoint_dir=remove_checkpoint_dir,
+    )
+
+
+def _fsdp_file(model_index: int) -> str:
+    """Accelerate's ``pytorch_model_fsdp.bin`` / ``pytorch_model_fsdp_1.bin``."""
+    return f"pytorch_model_fsdp{'' if model_index == 0 else f'_{model_index}'}.bin"
+
+
+def _state_dict_options(fsdp_plugin: Any, model: torch.nn.Module, adapter_only: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from .introspection import is_peft_model
+
+    full = fsdp_plugin.state_dict_type != "SHARDED_STATE_DICT"
+    return StateDictOptions(
+        full_state_dict=full,
+        cpu_offload=full,
+        # A PEFT model's adapters are its trainable parameters (Accelerate saves the same).
+        ignore_frozen_params=adapter_only and is_peft_model(model),
+        strict=not (adapter_only and is_peft_model(model)),
+    )
+
+
+def save_fsdp_model(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: torch.nn.Module,
+    output_dir: str,
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
+    """Save a prepared FSDP model's weights as ``save_state`` does, for Accelerate code
+    that calls this directly. Every process must call it.
+
+    With ``SHARDED_STATE_DICT`` every process writes its shards into
+    ``output_dir/pytorch_model_fsdp_{model_index}/`` (torch.distributed.checkpoint;
+    :func:`merge_fsdp_weights` turns it into one file); with ``FULL_STATE_DICT`` the main
+    process writes ``output_dir/pytorch_model_fsdp.bin`` (``_1``... for later models).
+    ``adapter_only`` keeps only a PEFT model's trainable (adapter) weights. Sharded weights
+    are always written with torch.distributed.checkpoint (``use_dcp=False``, Accelerate's
+    per-rank files, is refused).
+
+    Example::
+
+        save_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, "out")
+        merge_fsdp_weights("out/pytorch_model_fsdp_0", "merged")
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ..checkpoint.io import CheckpointWriter
+    from ..checkpoint.layout import everyone
+    from ..checkpoint.names import model_folder
+    from ..checkpoint.sharded import dcp_writer_arguments
+    from ..checkpoint.storage import Storage
+
+    state = accelerator.state
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    options = _state_dict_options(fsdp_plugin, model, adapter_only)
+    if not use_dcp and not options.full_state_dict:
+        raise ValueError(
+            "save_fsdp_model(use_dcp=False) writes per-rank files that load only on as many "
+            "processes; slipstream writes sharded weights with torch.distributed.checkpoint "
+            "(use_dcp=True), which loads on any number"
         )
-        if remove_checkpoint_dir:
-            shutil.rmtree(checkpoint_dir)
-    state.wait_for_everyone()
+    state_dict = get_model_state_dict(model, options=options)
+    storage = Storage.for_url(output_dir)
+    writer = CheckpointWriter(storage, storage.root, state)
+    if options.full_state_dict:
+        name = _fsdp_file(model_index)
+        everyone(state, lambda: writer.save_object(name, state_dict) if writer.owner else None)
+    else:
+        dcp.save({"model": state_dict}, **dcp_writer_arguments(writer, model_folder(model_index)))
+
+
+def load_fsdp_model(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: torch.nn.Module,
+    input_dir: str,
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
+    """Load what :func:`save_fsdp_model` wrote (or Accelerate's function of that name) into
+    a prepared model, in its current layout (any number of processes for sharded weights).
+    Every process must call it.
+
+    Example::
+
+        load_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, "out")
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from ..checkpoint.io import CheckpointReader
+    from ..checkpoint.names import model_folder
+    from ..checkpoint.sharded import dcp_reader_arguments
+    from ..checkpoint.storage import Storage
+
+    model = getattr(model, "_orig_mod", model)
+    options = _state_dict_options(fsdp_plugin, model, adapter_only)
+    if not use_dcp and not options.full_state_dict:
+        raise ValueError("load_fsdp_model(use_dcp=False): see save_fsdp_model; use use_dcp=True")
+    storage = Storage.for_url(input_dir)
+    reader = CheckpointReader(storage, storage.root, accelerator.state, {})
+    if options.full_state_dict:
+        full = load(storage.readable(reader.require(_fsdp_file(model_index), "FSDP weights")))
+        # Every process read the file: no broadcast needed, each takes its shards.
+        set_model_state_dict(model, full, options=dataclasses.replace(options, cpu_offload=False))
+        return
+    # Accelerate accepts the pytorch_model_fsdp_N folder itself or the folder holding it.
+    name = "" if "pytorch_model_fsdp" in storage.name(storage.root) else model_folder(model_index)
+    state_dict = get_model_state_dict(model, options=options)
+    dcp.load({"model": state_dict}, **dcp_reader_arguments(reader, name))
+    set_model_state_dict(model, state_dict, options=options)

@@ -8,8 +8,9 @@ the strategy names with Lightning's ``StrategyRegistry``:
 ``slipstream_ddp``, ``slipstream_fsdp``, ``slipstream_deepspeed``,
 ``slipstream_deepspeed_stage_1``, ``slipstream_deepspeed_stage_2``,
 ``slipstream_deepspeed_stage_3``, ``slipstream_deepspeed_stage_3_offload``,
-``slipstream_model_parallel`` (tensor parallelism inside FSDP2/HSDP; the layout comes from
-``SlipstreamStrategy(parallelism_config=...)`` or a ``parallelism_config`` config block).
+``slipstream_model_parallel`` (tensor and expert parallelism inside FSDP2/HSDP; the layout
+comes from ``SlipstreamStrategy(parallelism_config=...)``, e.g. ``ParallelismConfig(ep_size=2)``,
+or a ``parallelism_config`` config block).
 
 Example::
 

@@ -73,7 +73,7 @@ REGISTERED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "slipstream_model_parallel": (
-        "slipstream N-D parallelism: tensor parallel inside FSDP2/HSDP over a device mesh",
+        "slipstream N-D parallelism: tensor/expert parallel inside FSDP2/HSDP over a device mesh",
         {"kind": "model_parallel"},
     ),
 }
@@ -203,8 +203,8 @@ def _choose_layout(
         # DeepSpeed shards over every process itself: only plain data parallelism fits.
         if layout.model_parallel or (layout.dp_replicate_enabled and layout.dp_shard_enabled):
             raise ConfigError(
-                "parallelism_config asks for tensor/context/pipeline parallelism or HSDP, which "
-                "cannot be combined with DeepSpeed (it shards over all processes itself); drop "
+                "parallelism_config asks for tensor/context/pipeline/expert parallelism or HSDP, "
+                "which cannot be combined with DeepSpeed (it shards over all processes itself); drop "
                 "those sizes, or use kind='model_parallel' (FSDP2) instead of DeepSpeed"
             )
         return chosen, None

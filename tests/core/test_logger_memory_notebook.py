@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 import slipstream.logging
 from slipstream import (
@@ -86,7 +87,8 @@ def failing():
 
 
 def test_notebook_launcher_reports_a_failure():
-    with pytest.raises(RuntimeError, match="a process failed"):
+    # As in Accelerate: torch's error, naming the failed processes and their error.
+    with pytest.raises(ChildFailedError, match="ValueError: inside the notebook function"):
         notebook_launcher(failing, num_processes=2, use_cpu=True)
 
 
@@ -94,6 +96,7 @@ _DEBUG_LAUNCHER_SCRIPT = textwrap.dedent(
     """
     import json, os
     import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from slipstream import Accelerator, debug_launcher
 
     def main():
@@ -111,7 +114,7 @@ _DEBUG_LAUNCHER_SCRIPT = textwrap.dedent(
         try:
             debug_launcher(failing, num_processes=2)
             failure = None
-        except RuntimeError as error:
+        except ChildFailedError as error:
             failure = str(error)
         print(json.dumps({
             "results": results, "failure": failure,
@@ -130,7 +133,7 @@ def test_debug_launcher_runs_any_function_on_cpu_processes():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["results"] == [[0, "cpu", 22.0], [1, "cpu", 22.0]]
-    assert "a process failed" in report["failure"] and "boom" in report["failure"]
+    assert "failing FAILED" in report["failure"] and "ValueError: boom" in report["failure"]
     assert report["visible"] == "0", "the caller's environment is restored"
     assert report["config"] is None
 

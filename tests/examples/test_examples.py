@@ -142,6 +142,34 @@ def test_tensor_parallel_example_with_a_transformers_model():
     assert "on 203 samples (2 processes)" in result.stdout
 
 
+def test_moe_example_learns_with_experts_over_two_of_four_processes(tmp_path: Path):
+    transformers = pytest.importorskip("transformers")
+    result = run_cli(
+        "launch", "-n", "4", "--cpu", example("moe.py"), "--quick",
+        "--save", str(tmp_path / "w"), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "transformers Qwen3-MoE; layout dp_shard=4 (experts over ep=2)" in result.stdout
+    losses = [
+        float(line.split("loss ")[1]) for line in result.stdout.splitlines() if "step" in line
+    ]
+    assert losses[0] > 3.0 and losses[-1] < 1.0, result.stdout  # it learns
+    accuracy = float(result.stdout.split("next-token accuracy ")[1].split(",")[0])
+    assert accuracy > 0.9, result.stdout
+    # Every expert in the consolidated weights, which transformers loads.
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "w"))
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+
+
+def test_moe_example_with_a_plain_module():
+    result = run_cli(
+        "launch", "-n", "2", "--cpu", example("moe.py"), "--quick", "--plain", timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "plain module; layout dp_shard=2 (experts over ep=2)" in result.stdout
+    assert "held-out next-token accuracy 1.000" in result.stdout, result.stdout
+
+
 def test_pipeline_example_is_the_same_script_with_and_without_a_pipeline(tmp_path: Path):
     pipelined = run_cli(
         "launch", "-n", "2", "--cpu", example("pipeline_parallel.py"), "--quick",

@@ -187,6 +187,35 @@ def test_metrics_and_collectives_on_four_processes(tp2_dp2):
     assert (found["all_true"], found["all_rank0"], found["any_rank0"]) == (True, False, True)
 
 
+# -- experts over ep=2 on 2 processes ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run("ep2", tmp_path_factory.mktemp("ep2"), timeout=300)
+
+
+def test_expert_parallel_fit_matches_and_resumes(ep2):
+    first, resumed = ep2["first"], ep2["resumed"]
+    assert first["start"] == ep2["fresh"]
+    assert ep2["local_experts"] == [2, 32, 16], "each process holds 2 of the 4 experts"
+    assert {"lightning_state.ckpt", "pytorch_model_fsdp_0"} <= set(ep2["saved_files"])
+    assert resumed["start"] == first["end"]
+    # Epoch 1 from the checkpoint, epoch 2 resumed: the uninterrupted one-process reference.
+    assert _largest_difference(resumed["end"], ep2["reference"]) < 1e-5
+    assert _largest_difference(first["start"], resumed["end"]) > 0.01  # it trained
+    assert "experts over ep=2" in ep2["repr"]
+
+
+def test_an_expert_parallel_layout_from_the_call_or_a_config():
+    layout = ParallelismConfig(ep_size=2, ep_plan=["experts"])
+    strategy = SlipstreamStrategy(parallelism_config=layout)
+    assert strategy.kind == "model_parallel" and strategy.parallelism.ep_size == 2
+    block = {"parallelism_config_ep_size": 2, "parallelism_config_ep_plan": ["experts"]}
+    strategy = SlipstreamStrategy(config={"parallelism_config": block})
+    assert strategy.kind == "model_parallel" and strategy.parallelism.ep_plan == ["experts"]
+    with pytest.raises(ConfigError, match="expert parallelism or HSDP, which cannot be combined"):
+        SlipstreamStrategy(config={"distributed_type": "DEEPSPEED", "parallelism_config": block})
+
+
 # -- configuration and errors (in this process; no Trainer runs) ------------------------------------
 def _trainer(strategy: Any, devices: int = 2) -> pl.Trainer:
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False)

@@ -93,13 +93,13 @@ def test_without_preparing_torchmetrics_counts_the_duplicates():
 
 
 def _without_accelerator() -> dict:
-    from slipstream.data import prepare_data_loader
+    from slipstream.data import shard_data_loader
     from slipstream.integrations.torchmetrics import prepare_metric
     from slipstream.runtime.state import ProcessState
 
     state = ProcessState.from_environment()
     logits, labels, _, _ = _data()
-    loader = prepare_data_loader(
+    loader = shard_data_loader(
         DataLoader(TensorDataset(torch.arange(SAMPLES)), batch_size=BATCH), state=state
     )
     metric = prepare_metric(MulticlassAccuracy(num_classes=4), state=state, dataloader=loader)
@@ -131,7 +131,7 @@ def test_updating_outside_a_prepared_loader_says_dedup_cannot_apply():
 
 
 def test_bad_input():
-    from slipstream.data import prepare_data_loader
+    from slipstream.data import shard_data_loader
     from slipstream.integrations.torchmetrics import prepare_metric
     from slipstream.runtime.state import ProcessState
 
@@ -141,7 +141,7 @@ def test_bad_input():
     with pytest.raises(TypeError, match="needs a prepared DataLoader"):
         prepare_metric(MulticlassAccuracy(num_classes=2), dataloader=plain)
     state = ProcessState.from_environment(environ={})
-    loader = prepare_data_loader(plain, state=state)
+    loader = shard_data_loader(plain, state=state)
     assert prepare_metric(MulticlassAccuracy(num_classes=2), dataloader=loader, state=state)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ...precision.base import move_forward_patch
-from ..config import schedule_name
+from ..config_values import schedule_name
 from .layout import PipelineLayout, assign_stages, pipeline_layout
 from .runtime import PipelinePlan, PipelineRuntime, resolve_plan
 from .stage import build_stage_module, materialise, prune_in_place

@@ -29,8 +29,8 @@ from typing import Any
 
 from torch import nn
 
-from ..config import PIPELINE_BALANCE as BALANCE
 from ..config import ParallelismConfigError
+from ..config_values import PIPELINE_BALANCE as BALANCE
 
 
 @dataclass(frozen=True)

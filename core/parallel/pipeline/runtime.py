@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import PIPELINE_SCHEDULES, ParallelismConfigError, schedule_name
+from ..config_values import PIPELINE_SCHEDULES, schedule_name
+from ..errors import ParallelismConfigError
 
 #: Schedules that run one stage per process; the others run several ("virtual" stages).
 SINGLE_STAGE = ("gpipe", "1f1b")

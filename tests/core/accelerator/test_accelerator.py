@@ -76,14 +76,12 @@ def test_prepare_rejects_bad_combinations(build, message):
         acc.prepare(*build(_parts()))
 
 
-def test_prepare_rejects_objects_prepared_before():
+def test_prepare_hands_objects_prepared_before_back_as_they_are():
     acc = Accelerator()
     model, optimizer, scheduler, loader = _parts()
     model, optimizer = acc.prepare(model, optimizer)
-    with pytest.raises(PrepareError, match="already prepared"):
-        acc.prepare(optimizer)
-    with pytest.raises(PrepareError, match="already prepared"):
-        acc.prepare(model)
+    assert acc.prepare(optimizer) is optimizer and acc.prepare(model) is model
+    assert acc._optimizers == [optimizer] and acc._models == [model], "registered once"
     assert isinstance(acc.prepare(scheduler), AcceleratedScheduler), "optimizer known from before"
     with pytest.raises(PrepareError, match="one bool per object"):
         acc.prepare(loader, device_placement=[True, False])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from slipstream import Accelerator, GradScalerKwargs, set_seed
+from slipstream import Accelerator, GradientAccumulationPlugin, GradScalerKwargs, set_seed
 from tests.distributed import run_distributed
 
 MICRO = 2  # samples per process per micro-batch
@@ -30,8 +30,9 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
 
 
-def _accumulate_against_big_batches(samples: int, steps: int) -> dict:
-    acc = Accelerator(gradient_accumulation_steps=steps)
+def _accumulate_against_big_batches(samples: int, steps: int, average: bool = False) -> dict:
+    plugin = GradientAccumulationPlugin(num_steps=steps, average_short_cycles=average)
+    acc = Accelerator(gradient_accumulation_plugin=plugin)
     set_seed(0)
     model = _model()
     reference = copy.deepcopy(model)
@@ -68,13 +69,17 @@ def _accumulate_against_big_batches(samples: int, steps: int) -> dict:
                 cycles.append(torch.cat(current))
                 current = []
 
-    # Reference: one process, one batch per optimizer step made of the same samples.
+    # Reference: one process, one batch per optimizer step made of the same samples; a short
+    # cycle's mean loss is scaled by its share of a full cycle unless averaged exactly.
     data = _dataset(samples)
+    full_cycle = steps * acc.num_processes * MICRO
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.99**s)
     for indices in cycles:
         ref_opt.zero_grad()
-        F.mse_loss(reference(data.tensors[0][indices]), data.tensors[1][indices]).backward()
+        share = 1.0 if average else len(indices) / full_cycle
+        loss = F.mse_loss(reference(data.tensors[0][indices]), data.tensors[1][indices])
+        (loss * share).backward()
         ref_opt.step()
         for _ in range(acc.num_processes):
             ref_sched.step()
@@ -113,10 +118,17 @@ def test_no_communication_between_sync_steps():
         assert (count - before) == (per_sync if synced else 0), f"micro-step {step}"
 
 
-def test_a_short_final_cycle_is_averaged_over_what_it_has():
-    # 48 samples: 12 micro-batches per process per epoch = cycles of 4, 4, 4; 40 samples:
-    # 10 micro-batches = 4, 4 and a final cycle of 2 that still matches its big batch.
+def test_a_short_final_cycle_is_divided_by_num_steps_as_in_accelerate():
+    # 40 samples: 10 micro-batches per process per epoch = cycles of 4, 4 and a final cycle
+    # of 2 whose losses are divided by 4 (half the update of its big batch), as Accelerate.
     r0, _ = run_distributed(_accumulate_against_big_batches, 40, 4)
+    assert r0["cycle_sizes"] == [16, 16, 8] * 2
+    assert r0["max_diff"] < 1e-6
+
+
+def test_average_short_cycles_averages_a_short_cycle_over_what_it_has():
+    # The same 40 samples: with average_short_cycles the final cycle of 2 matches its big batch.
+    r0, _ = run_distributed(_accumulate_against_big_batches, 40, 4, True)
     assert r0["cycle_sizes"] == [16, 16, 8] * 2
     assert r0["max_diff"] < 1e-6
 

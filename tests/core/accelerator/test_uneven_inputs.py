@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from slipstream import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin
+from slipstream import (
+    Accelerator,
+    DataLoaderConfiguration,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+)
 from tests.distributed import run_distributed
 
 SAMPLES = 5
@@ -78,9 +84,37 @@ def _join_errors() -> list[str]:
             pass
     except ValueError as error:
         messages.append(str(error))
-    with accelerator.join_uneven_inputs([]):  # even batches: nothing to join
-        messages.append("even ok")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([]):  # even batches: nothing to join
+            messages.append("even ok")
+    messages.extend(str(w.message) for w in caught)
     return messages
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(4)
+
+
+def _join_warnings() -> dict[str, list[str]]:
+    accelerator = Accelerator()
+    model = accelerator.prepare(_model())
+    accelerator.prepare(DataLoader(_data()), DataLoader(_Stream()), DataLoader(_Stream()))
+    seen = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([model], even_batches=False):
+            pass
+    seen["iterable"] = [str(w.message) for w in caught]
+    # Accelerate's scripts set the state's type to check the non-DDP branch.
+    accelerator.state.distributed_type = DistributedType.FSDP
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([object()]):
+            pass
+    seen["not_ddp"] = [str(w.message) for w in caught]
+    return seen
 
 
 def _not_joinable() -> str:
@@ -97,7 +131,16 @@ def test_join_refuses_what_would_hang_or_cannot_join() -> None:
     fsdp = run_distributed(_join_errors)[0]
     assert "works with DDP" in fsdp[0] and "even_batches=True" in fsdp[0]
     assert fsdp[1] == "even ok"
+    assert "only supported for multi-GPU training" in fsdp[2] and "FSDP" in fsdp[2]
     assert "takes prepared DDP models" in run_distributed(_not_joinable)[0]
+
+
+def test_join_warns_as_accelerate_does() -> None:
+    seen = run_distributed(_join_warnings)[0]
+    # One warning for the two iterable loaders, in Accelerate's words.
+    assert len(seen["iterable"]) == 1
+    assert "only supported for map-style datasets" in seen["iterable"][0]
+    assert len(seen["not_ddp"]) == 1 and "only supported for multi-GPU" in seen["not_ddp"][0]
 
 
 def _sync_inside_no_sync(trigger: bool) -> torch.Tensor:

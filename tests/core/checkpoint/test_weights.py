@@ -79,6 +79,32 @@ def test_resharding_to_a_single_file_removes_stale_shards(tmp_path):
     assert os.listdir(tmp_path) == ["model.safetensors"]
 
 
+def test_saving_touches_only_files_of_its_own_naming_scheme(tmp_path):
+    # Files that merely start with "model"/"pytorch_model", and the sharded checkpoint folder
+    # that merge_fsdp_weights reads beside its output, survive every save.
+    (tmp_path / "pytorch_model_fsdp_0").mkdir()
+    (tmp_path / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"shard")
+    (tmp_path / "model-00001-of-00002.safetensors.bak").write_text("backup")
+    others = ["model_card.md", "modeling_notes.txt", "pytorch_model.bin.md"]
+    for name in others:
+        (tmp_path / name).write_text("keep me")
+    state = {f"w{i}": torch.ones(100) for i in range(4)}
+    kept = {"pytorch_model_fsdp_0", "model-00001-of-00002.safetensors.bak", *others}
+    pickle_shards = {f"pytorch_model-0000{i}-of-00004.bin" for i in range(1, 5)}
+    save_weights(state, str(tmp_path), safe_serialization=False, max_shard_size=500)
+    save_weights(state, str(tmp_path), max_shard_size=500)
+    # The pickle shards are another format's files, left alone; their index (which loaders
+    # read before anything else) is stale now and went.
+    safe_shards = {f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)}
+    expected = kept | pickle_shards | safe_shards | {"model.safetensors.index.json"}
+    assert set(os.listdir(tmp_path)) == expected
+    save_weights(state, str(tmp_path), safe_serialization=False)  # one pytorch_model.bin
+    save_weights(state, str(tmp_path))  # one model.safetensors
+    assert set(os.listdir(tmp_path)) == kept | {"pytorch_model.bin", "model.safetensors"}
+    assert os.listdir(tmp_path / "pytorch_model_fsdp_0") == ["__0_0.distcp"]
+    assert all(torch.equal(v, state[k]) for k, v in load_weights(str(tmp_path)).items())
+
+
 def test_export_replaces_the_folder_atomically(tmp_path):
     target = tmp_path / "weights"
     old = {f"w{i}": torch.full((100,), float(i)) for i in range(4)}

@@ -73,3 +73,24 @@ def make_number() -> int:
 
 def make_broken() -> nn.Module:
     raise RuntimeError("checkpoint not found\nsecond line")
+
+
+def make_tiny_qwen3_moe() -> nn.Module:
+    """A tiny transformers Qwen3-MoE (4 experts per layer, its own ep plan): embed 32x8 =
+    256; per layer attention 4 * 8x8 + q/k norms 8 = 264, experts 4 x (8x8 + 8x4) = 384,
+    router 4x8 = 32, two norms 16 (696); norm 8; lm_head 256. N = 1,912, experts 768."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        moe_intermediate_size=4,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    return transformers.Qwen3MoeForCausalLM(config)

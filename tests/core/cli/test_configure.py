@@ -142,6 +142,8 @@ def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
             "",  # dp_shard_size [-1]: 2
             "2",  # tp_size
             "1",  # cp_size
+            "3",  # ep_size: 3 does not divide the 2 sharding processes
+            "1",  # ep_size: experts not split
             "yes",  # sequence parallelism
             "",  # mixed precision
         ],
@@ -153,6 +155,7 @@ def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
         "'x' is not a whole number",
         "does not divide the 8 processes",
         "only one parallel size may be -1",
+        "3 does not divide the 2 processes that shard the model",
     ):
         assert complaint in result.stdout
     assert result.stdout.count("The sizes must multiply to 8") == 3
@@ -172,13 +175,17 @@ def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
 
 def test_questionnaire_asks_the_context_parallel_exchange(tmp_path):
     target = tmp_path / "cp.yaml"
-    lines = ["", "multi-GPU", "1", "no", "no", "no", "2", "y", "", "1", "", "2", "alltoall", "bf16"]
+    lines = [
+        *("", "multi-GPU", "1", "no", "no", "no", "2", "y", "", "1", "", "2"),
+        *("2", "alltoall", "bf16"),  # ep_size, the exchange, precision
+    ]
     result = answer(target, lines)
     assert result.returncode == 0, result.stderr
     config, _ = load_config(target)
     assert config.parallelism_config["parallelism_config_cp_size"] == 2
     assert config.parallelism_config["parallelism_config_cp_comm_strategy"] == "alltoall"
-    assert config.parallel_layout() == "cp=2"
+    assert config.parallelism_config["parallelism_config_ep_size"] == 2
+    assert config.parallel_layout() == "cp=2 (experts over ep=2)"
 
 
 def test_questionnaire_for_deepspeed_writes_its_block(tmp_path):
@@ -318,6 +325,13 @@ def test_env_shows_the_parallel_layout(tmp_path):
     result = run_cli("env", "--config_file", str(config))
     assert result.returncode == 0, "a bug report is written even for a broken config"
     assert "- config problem: " in result.stdout and "does not fit num_processes=2" in result.stdout
+    config.write_text("num_processes: 4\nparallelism_config: {parallelism_config_ep_size: 2}\n")
+    result = run_cli("env", "--config_file", str(config))
+    assert "- parallel layout: dp_shard=4 (experts over ep=2)" in result.stdout
+    assert (
+        "- expert parallelism: experts split over ep=2 of the 4 processes that shard the model, "
+        "each expert FSDP-sharded over 2"
+    ) in result.stdout
 
 
 def test_env_reports_versions_devices_and_config(tmp_path):

@@ -428,8 +428,10 @@ def test_parallel_json_is_complete(capsys):
         "tp": 2,
         "pp": 2,
         "cp": 1,
+        "ep": 1,
         "shard_group": 2,
     }
+    assert parallel["experts"] == {"parameters": 0, "ep": 1}
     assert parallel["tensor_parallel"] == {
         "plan": "nn.Linear weights (stand-in)",
         "split_parameters": 150,
@@ -515,3 +517,57 @@ def test_cli_parallel_size_errors_exit_2_with_one_line():
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "--pp_size 3 does not divide --num_processes 8" in result.stderr
+
+
+# Expert parallelism
+
+QWEN_MOE = f"{FACTORIES}:make_tiny_qwen3_moe"
+
+
+def test_experts_split_over_ep_and_shard_over_the_rest():
+    pytest.importorskip("transformers")
+    model = build_model(QWEN_MOE)
+    counts = count_parameters(model)
+    assert counts.total == 1912
+    split = split_parameters(model, tp=1, ep=2)
+    assert split.expert_elements == 768  # 2 layers x 4 experts x (8x8 + 8x4)
+    # Per process: 1,144 dense + 768 / 2 experts; each experts module (192 here) is a unit
+    # of its own, so the largest unit is the base model without its experts (1,656 - 768).
+    assert split.per_process(1, 1, 2) == ProcessShare(1528, 1528, 888, 384, 384)
+    dp4, ep2 = estimate_layouts(counts, split, ParallelLayout(4, ep=2), ["fp32"])
+    assert ep2.layout.describe() == "dp 4 (experts over ep 2)"
+    rows = {row.strategy: row for row in ep2.training}
+    # Dense weights shard over 4, experts over 2 (the processes holding the same experts):
+    # the same bytes at rest under ZeRO-3 / FSDP, a smaller unit to gather, less without it.
+    assert rows["ZeRO-3"].total == 16 * (286 + 192) == 16 * math.ceil(1912 / 4)
+    assert rows["FSDP"].gathered_unit == 4 * 888 < 4 * 1656
+    assert rows["DDP"].total == 16 * 1528
+    assert ep2.inference["fp32"] == 4 * 1528
+    assert {r.strategy: r.total for r in dp4.training}["DDP"] == 16 * 1912
+
+
+def test_the_ep_step_is_shown_with_its_note(capsys):
+    pytest.importorskip("transformers")
+    assert _run(QWEN_MOE, "--num_processes", "8", "--tp_size", "2", "--ep_size", "4") == 0
+    out = capsys.readouterr().out
+    assert "8 processes = dp 4 x tp 2 (experts over ep 4)" in out
+    assert "ep 4: 768 of 1,912 parameters are experts (2 experts modules)" in out
+    assert "Inference, tp 2 x ep 4" in out
+    assert _run(QWEN_MOE, "--num_processes", "4", "--ep_size", "2", "--json") == 0
+    report = json.loads(capsys.readouterr().out)["parallel"]
+    assert report["experts"] == {"parameters": 768, "ep": 2}
+    assert [s["layout"]["ep"] for s in report["steps"]] == [1, 2]
+
+
+def test_ep_sizes_and_plans_are_checked():
+    with pytest.raises(ConfigError, match="--ep_size 3 does not divide the 4 processes"):
+        _run(f"{FACTORIES}:make_broken", "--num_processes", "4", "--ep_size", "3")
+    with pytest.raises(ConfigError, match="no experts were found in Sequential"):
+        _run(SMALL, "--num_processes", "2", "--ep_size", "2")
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError, match="ep_size=3 does not divide the 4 experts"):
+        _run(QWEN_MOE, "--num_processes", "6", "--ep_size", "3")
+    # A plan on the command line: the small model's second Linear as "experts" is refused
+    # (it holds no stacked experts), naming the module.
+    with pytest.raises(ConfigError, match="which holds no experts"):
+        _run(SMALL, "--num_processes", "2", "--ep_size", "2", "--ep_plan", "1")

@@ -253,5 +253,5 @@ def test_bad_dataloaders_get_clear_errors():
         sampler = DistributedSampler(data, num_replicas=2, rank=0)
         acc.prepare(DataLoader(data, batch_size=2, sampler=sampler))
     prepared = acc.prepare(DataLoader(data, batch_size=2))
-    with pytest.raises(Exception, match="already prepared"):
-        acc.prepare(prepared)
+    assert acc.prepare(prepared) is prepared, "a prepared loader comes back as it is"
+    assert acc._dataloaders == [prepared], "and is registered once"

@@ -278,3 +278,52 @@ def test_random_sampler_draws_the_same_order_on_both_paths():
         sharded = ShardedBatchSampler(kind(sampler, 4, False), num_processes=2, process_index=1)
         views.append(list(sharded))
     assert views[0] == views[1]
+
+
+def _random_sampler_order(data, seed: int, **kwargs) -> list[int]:
+    from torch import Generator
+    from torch.utils.data import RandomSampler
+
+    return list(RandomSampler(data, generator=Generator().manual_seed(seed), **kwargs))
+
+
+def test_seedable_sampler_takes_accelerates_constructor():
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    data = list(range(23))
+    torch.manual_seed(42)  # Accelerate's default seed is torch.initial_seed()
+    generator = torch.Generator()
+    sampler = SeedableRandomSampler(data_source=data, num_samples=len(data), generator=generator)
+    assert isinstance(sampler, RandomSampler) and sampler.seed == sampler.initial_seed == 42
+    # A plain DataLoader reshuffles every epoch: epoch e is RandomSampler's order drawn from
+    # a generator seeded 42 + e, and the sampler moves to the next epoch after a full pass.
+    loader = DataLoader(data, batch_size=5, sampler=sampler)
+    for epoch in range(3):
+        order = [i for batch in loader for i in batch.tolist()]
+        assert order == _random_sampler_order(data, 42 + epoch), epoch
+    assert sampler.epoch == 3
+    sampler.set_epoch(1)
+    assert list(sampler) == _random_sampler_order(data, 43), "set_epoch replays an epoch"
+    positional = SeedableRandomSampler(data, True, 40, None, 7)  # data_seed last
+    assert positional.seed == 7 and positional.replacement and len(list(positional)) == 40
+    assert list(positional) == _random_sampler_order(data, 8, replacement=True, num_samples=40)
+    assert SeedableRandomSampler(data, data_seed=5).state_dict() == {"seed": 5, "epoch": 0}
+
+
+def test_seedable_sampler_keeps_slipstreams_constructor_and_refuses_mixtures():
+    assert list(SeedableRandomSampler(6, 3)) == _random_sampler_order(range(6), 3)
+    by_keyword = SeedableRandomSampler(length=6, seed=3, num_samples=9)
+    assert list(by_keyword) == _random_sampler_order(range(6), 3, num_samples=9)
+    assert list(SeedableRandomSampler(0, 1)) == [], "an empty shard is allowed"
+    for call, message in [
+        (lambda: SeedableRandomSampler(6, 3, 4), "two positional arguments"),
+        (lambda: SeedableRandomSampler(6, seed=3, data_seed=4), "disagree"),
+        (lambda: SeedableRandomSampler([1, 2], False, None, None, 1, 2), "at most 5"),
+        (lambda: SeedableRandomSampler(iter([1]), data_seed=1), "takes a dataset"),
+        (lambda: SeedableRandomSampler([1, 2], "yes"), "replacement should be a boolean"),
+        (lambda: SeedableRandomSampler([1, 2], num_samples=-1), "num_samples should be"),
+        (lambda: SeedableRandomSampler([1, 2], length=2, seed=0), "not both"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            call()

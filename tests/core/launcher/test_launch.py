@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.launcher.config import LaunchConfig
-from slipstream.launcher.launch import LaunchRequest, torchrun_arguments
+from slipstream.launcher.launch import LaunchRequest, torchrun_arguments, torchrun_namespace
 from tests.distributed import REPO, free_port, run_cli, run_python
 
 PROBE = textwrap.dedent(
@@ -88,6 +88,38 @@ def test_plain_torchrun_forms_one_group(probe: Path):
     found = reports(out)
     assert_one_group(found)
     assert all(r["precision"] == "no" for r in found)
+
+
+#: Script arguments that prefix (or spell) torchrun's own flags: torchrun's parser accepts
+#: abbreviations, so each of these used to be read as a launcher flag or refused as ambiguous.
+LOOKALIKES = [
+    "--start", "0", "--num", "3", "--nnodes", "4", "--nproc", "8", "--rdzv", "x",
+    "--rdzv-backend", "c10d", "--rdzv_endpoint=h:1", "--max", "1", "--max_restarts", "7",
+    "-m", "mod", "--standalone", "--node_rank=3", "--monitor", "0.5", "--", "--after",
+]  # fmt: skip
+
+
+def test_script_arguments_that_look_like_torchrun_flags_reach_the_script_verbatim(probe: Path):
+    out = probe.parent / "out"
+    result = run_cli("launch", "-n", "2", "--cpu", str(probe), str(out), *LOOKALIKES)
+    assert result.returncode == 0, result.stderr
+    found = reports(out)
+    assert_one_group(found)
+    assert [r["argv"] for r in found] == [[str(out), *LOOKALIKES]] * 2
+
+
+def test_torchrun_reads_only_the_launchers_own_flags():
+    config = LaunchConfig(num_processes=2, max_restarts=1, monitor_interval=0.5)
+    namespace = torchrun_namespace(LaunchRequest(config, "t.py", LOOKALIKES))
+    assert namespace.training_script == "slipstream.launcher.worker" and namespace.module
+    assert namespace.training_script_args == ["t.py", *LOOKALIKES]
+    assert (namespace.nproc_per_node, namespace.nnodes, namespace.max_restarts) == ("2", "1", 1)
+    assert namespace.standalone and namespace.start_method == "spawn"
+    module = torchrun_namespace(LaunchRequest(config, "pkg.train", ["-m", "x"], module=True))
+    assert module.training_script_args == ["--module", "pkg.train", "-m", "x"]
+    binary = torchrun_namespace(LaunchRequest(config, "/bin/echo", ["--start"], no_python=True))
+    assert binary.no_python and binary.training_script == "/bin/echo"
+    assert binary.training_script_args == ["--start"]
 
 
 def test_config_file_with_flag_override(probe: Path):

@@ -174,3 +174,42 @@ def test_debug_mode_from_environment_reports_different_operations():
     messages = run_distributed(_mismatched_operations, env={"SLIPSTREAM_DEBUG": "1"}, timeout=60)
     assert messages[0] == messages[1]
     assert "rank 0: gather" in messages[0] and "rank 1: reduce" in messages[0]
+
+
+def _gather_requires_grad() -> dict:
+    acc = Accelerator()
+    weight = torch.nn.Parameter(torch.full((2,), float(acc.process_index)))
+    loss = weight * 2
+    gathered = acc.gather(loss)
+    padded = acc.gather(acc.pad_across_processes(loss[: acc.process_index + 1]))
+    return {"values": gathered.tolist(), "grad": gathered.requires_grad, "padded": padded.tolist()}
+
+
+def test_gather_returns_the_values_of_tensors_that_require_grad():
+    # Accelerate's gather accepts them; the result carries no autograd history.
+    for seen in run_distributed(_gather_requires_grad):
+        assert seen == {
+            "values": [0.0, 0.0, 2.0, 2.0],
+            "grad": False,
+            "padded": [0.0, 0.0, 2.0, 2.0],
+        }
+
+
+def _copy_to_devices() -> dict:
+    from slipstream.utils import copy_tensor_to_devices
+
+    acc = Accelerator()
+    table = torch.arange(6, dtype=torch.int32).reshape(2, 3) if acc.is_main_process else None
+    copied = copy_tensor_to_devices(table)
+    try:
+        copy_tensor_to_devices(torch.zeros(1))  # every process holds one: ambiguous
+        error = ""
+    except ValueError as problem:
+        error = str(problem)
+    return {"copied": copied.tolist(), "dtype": str(copied.dtype), "error": error}
+
+
+def test_copy_tensor_to_devices_needs_no_shape_on_the_receivers():
+    for seen in run_distributed(_copy_to_devices):
+        assert seen["copied"] == [[0, 1, 2], [3, 4, 5]] and seen["dtype"] == "torch.int32"
+        assert "exactly one process" in seen["error"] and "[0, 1]" in seen["error"]

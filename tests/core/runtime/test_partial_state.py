@@ -62,3 +62,30 @@ def test_two_processes_split_gather_and_take_turns():
     assert main == 0 and main_time <= other_time, "the main process went first"
     assert (first["main_only"], second["main_only"]) == ("main", None)
     assert first["same_as_accelerator"] and second["same_as_accelerator"]
+
+
+def _debug_switch() -> dict:
+    import torch
+
+    from slipstream import DistributedOperationException, pad_across_processes, reduce
+
+    state = PartialState()
+    state.debug = True  # Accelerate's switch for the collective checks
+    shape = (1, 5) if state.process_index == 0 else (1, 1, 6)
+    errors = []
+    for operation in (
+        lambda: pad_across_processes(torch.zeros(shape)),
+        lambda: reduce(torch.zeros(shape)),
+    ):
+        try:
+            operation()
+        except DistributedOperationException as error:
+            errors.append(type(error).__name__)
+    state.debug = False
+    return {"errors": errors, "checks_off": not Accelerator().state.debug}
+
+
+def test_partial_state_debug_turns_on_collective_checks():
+    for seen in run_distributed(_debug_switch):
+        assert seen["errors"] == ["CollectiveMismatchError"] * 2
+        assert seen["checks_off"]

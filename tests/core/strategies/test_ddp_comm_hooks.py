@@ -51,18 +51,25 @@ def test_fp16_hook_averages_in_half_precision() -> None:
         assert not torch.equal(grads[0], exact)  # it did travel in half precision
 
 
-def _bf16_hook_on_cpu() -> str:
-    try:
-        Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(comm_hook="bf16")])
-    except ValueError as error:
-        return str(error)
-    return "no error"
+def _bf16_hook_on_cpu() -> list[str]:
+    messages = []
+    for hook, wrapper in [("bf16", "no"), ("power_sgd", "bf16"), ("batched_power_sgd", "bf16")]:
+        kwargs = DistributedDataParallelKwargs(comm_hook=hook, comm_wrapper=wrapper)
+        try:
+            Accelerator(kwargs_handlers=[kwargs])
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
 
 
-def test_bf16_hook_needs_nccl() -> None:
-    # torch's bf16 all-reduce hook is NCCL-only; the GPU check (benchmarks/gpu_check.py)
-    # covers it on GPUs.
-    assert "needs GPUs with NCCL" in run_distributed(_bf16_hook_on_cpu)[0]
+def test_bf16_hooks_need_nccl() -> None:
+    # torch's bf16 all-reduce hook and wrapper are NCCL-only (TypeError from inside
+    # prepare); slipstream says so when the Accelerator is built. The GPU check
+    # (benchmarks/gpu_check.py) covers them on GPUs.
+    for messages in run_distributed(_bf16_hook_on_cpu):
+        assert len(messages) == 3
+        assert all("needs GPUs with NCCL" in m and "use 'fp16' instead" in m for m in messages)
 
 
 def test_power_sgd_with_fp16_wrapper() -> None:
@@ -119,3 +126,54 @@ def _bad_state_option() -> str:
 def test_unknown_power_sgd_option_is_named() -> None:
     message = run_distributed(_bad_state_option)[0]
     assert "comm_state_option={'rank': 2}" in message and "matrix_approximation_rank" in message
+
+
+# -- Accelerate's test_ddp_comm_hook.py, with its reference DDP built for CPU modules ---------
+class MockModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = nn.Parameter(torch.randn(40, 20))
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        return self.p * (x ** (1 + rank))
+
+
+def _script_grads(model: nn.Module, rank: int) -> torch.Tensor:
+    torch.manual_seed(2024)
+    model(torch.randn(40, 20), rank).mean().backward()
+    return next(model.parameters()).grad
+
+
+def _accelerate_script_cases(cases: list) -> list[str]:
+    from slipstream.utils import DDPCommunicationHookType as Hook
+
+    failures = []
+    for hook, wrapper, option in cases:
+        kwargs = DistributedDataParallelKwargs(
+            comm_hook=Hook(hook), comm_wrapper=Hook(wrapper), comm_state_option=option
+        )
+        accelerator = Accelerator(kwargs_handlers=[kwargs])
+        model = accelerator.prepare(MockModel())
+        hooked = _script_grads(model, accelerator.local_process_index)
+        # The script passes device_ids=[rank]: torch accepts that for GPU modules only.
+        reference = nn.parallel.DistributedDataParallel(MockModel().to(accelerator.device))
+        expected = _script_grads(reference, accelerator.local_process_index)
+        try:
+            torch.testing.assert_close(hooked, expected, rtol=1e-2, atol=1e-2)
+        except AssertionError as error:
+            failures.append(f"{hook}/{wrapper}: {error}")
+    return failures
+
+
+def test_accelerate_comm_hook_script_cases_without_bf16() -> None:
+    cases = [
+        ("no", "no", {}),
+        ("fp16", "no", {}),
+        ("power_sgd", "no", {}),
+        ("power_sgd", "fp16", {}),
+        ("power_sgd", "no", {"matrix_approximation_rank": 2}),
+        ("batched_power_sgd", "no", {}),
+        ("batched_power_sgd", "fp16", {}),
+    ]
+    assert run_distributed(_accelerate_script_cases, cases) == [[], []]

@@ -262,3 +262,90 @@ def test_torch_without_fsdp2_is_a_clear_error(monkeypatch):
     monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
     with pytest.raises(RuntimeError, match=r"install torch>=2\.6"):
         Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())
+
+
+# -- Accelerate's FSDP1-era options, as Accelerate 1.15 maps them for FSDP2 --------------------
+@pytest.mark.filterwarnings("ignore:sharding_strategy=HYBRID_SHARD")
+@pytest.mark.parametrize(
+    "given,reshard",
+    [("FULL_SHARD", True), ("shard_grad_op", False), (4, True), ("5", False)],
+)
+def test_sharding_strategy_maps_to_reshard_after_forward(given, reshard):
+    plugin = FullyShardedDataParallelPlugin(sharding_strategy=given)
+    assert plugin.reshard_after_forward is reshard
+    assert FullyShardedDataParallelPlugin().reshard_after_forward is True
+
+
+def test_torch_enums_are_accepted_and_compare_equal():
+    from torch.distributed.fsdp import ShardingStrategy, StateDictType
+
+    plugin = FullyShardedDataParallelPlugin(
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+        state_dict_type=StateDictType.SHARDED_STATE_DICT,
+    )
+    assert plugin.sharding_strategy == "SHARD_GRAD_OP" and plugin.reshard_after_forward is False
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    assert plugin.state_dict_type == "SHARDED_STATE_DICT" and plugin.sharded_state_dict
+    assert plugin.state_dict_type != StateDictType.FULL_STATE_DICT
+    assert FullyShardedDataParallelPlugin(state_dict_type="3").sharded_state_dict
+    with pytest.raises(ValueError, match="FSDP2 does not support LOCAL_STATE_DICT"):
+        FullyShardedDataParallelPlugin(state_dict_type=StateDictType.LOCAL_STATE_DICT)
+
+
+def test_sharding_strategy_errors_and_warnings():
+    with pytest.warns(UserWarning, match=r"NO_SHARD is FSDP1's.*use DDP"):
+        FullyShardedDataParallelPlugin(sharding_strategy="NO_SHARD")
+    with pytest.warns(UserWarning, match=r"HYBRID_SHARD is FSDP1's.*dp_replicate_size"):
+        FullyShardedDataParallelPlugin(sharding_strategy="HYBRID_SHARD")
+    with pytest.raises(ValueError, match="sharding_strategy must be one of FULL_SHARD"):
+        FullyShardedDataParallelPlugin(sharding_strategy="HALF_SHARD")
+    with pytest.raises(ValueError, match="means reshard_after_forward=True, but"):
+        FullyShardedDataParallelPlugin(sharding_strategy="FULL_SHARD", reshard_after_forward=False)
+
+
+def test_accelerate_fsdp1_config_keys_map_too():
+    plugin = FullyShardedDataParallelPlugin.from_config(
+        {"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_state_dict_type": "FULL_STATE_DICT"}
+    )
+    assert plugin.reshard_after_forward is False
+    # Newer `accelerate config` files write the FSDP1 strategy under this key.
+    plugin = FullyShardedDataParallelPlugin.from_config(
+        {"fsdp_reshard_after_forward": "FULL_SHARD"}
+    )
+    assert plugin.reshard_after_forward is True
+    assert not FullyShardedDataParallelPlugin.from_config(
+        {"fsdp_reshard_after_forward": "false"}
+    ).reshard_after_forward
+
+
+class Decoder(Net):
+    _no_split_modules = ["Block"]
+
+
+def test_set_auto_wrap_policy_reads_no_split_modules():
+    plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="TRANSFORMER_BASED_WRAP")
+    plugin.set_auto_wrap_policy(Decoder())
+    assert plugin.transformer_cls_names_to_wrap == ["Block"]
+    with pytest.raises(ValueError, match="Net names none in _no_split_modules"):
+        FullyShardedDataParallelPlugin(
+            auto_wrap_policy="transformer_based_wrap"
+        ).set_auto_wrap_policy(Net())
+    with pytest.raises(
+        ValueError, match=r"could not find the transformer layer class\(es\) \['Blok'\]"
+    ):
+        FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Blok"]).set_auto_wrap_policy(
+            Net()
+        )
+    untouched = FullyShardedDataParallelPlugin()
+    untouched.set_auto_wrap_policy(Net())
+    assert untouched.auto_wrap_policy == "no_wrap"
+
+
+def _wraps_no_split_modules() -> list[str]:
+    plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="transformer_based_wrap")
+    model = Accelerator(fsdp_plugin=plugin).prepare(Decoder())
+    return sorted(type(m).__name__ for m in model.modules() if type(m).__name__.startswith("FSDP"))
+
+
+def test_prepare_shards_the_no_split_modules_without_class_names():
+    assert run_distributed(_wraps_no_split_modules)[0] == ["FSDPBlock", "FSDPBlock", "FSDPDecoder"]

@@ -90,3 +90,128 @@ def test_merge_fsdp_weights(tmp_path: Path):
         load(tmp_path / "bin" / "pytorch_model.bin")["layer.bias"], state["layer.bias"]
     )
     assert not folder.exists()
+
+
+# -- Accelerate's FSDP helpers, as test_merge_weights.py (Accelerate's own script) calls them --
+class TinyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear1 = torch.nn.Linear(16, 16)
+        self.activation = torch.nn.ReLU()
+        self.linear2 = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.activation(self.linear1(x)))
+
+
+def _full(state_dict: dict) -> dict:
+    # FSDP2's model.state_dict() holds DTensors; full_tensor() gathers (a collective).
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
+
+
+def _accelerate_merge_script(folder: str) -> dict:
+    from torch.distributed.fsdp import ShardingStrategy, StateDictType
+
+    from slipstream import Accelerator, FullyShardedDataParallelPlugin
+    from slipstream.cli.merge_weights import merge_command, merge_command_parser
+    from slipstream.utils import patch_environment
+    from slipstream.utils.saving import save_fsdp_model
+
+    plugin = FullyShardedDataParallelPlugin(
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        state_dict_type=StateDictType.SHARDED_STATE_DICT,
+    )
+    torch.manual_seed(0)
+    model = TinyModel()
+    with patch_environment(fsdp_auto_wrap_policy="SIZE_BASED_WRAP"):
+        plugin.set_auto_wrap_policy(model)
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    model = accelerator.prepare(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    generator = torch.Generator().manual_seed(accelerator.process_index)
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=generator)
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), x))
+        optimizer.step()
+        optimizer.zero_grad()
+    out = Path(folder)
+    save_fsdp_model(plugin, accelerator, model, out)
+    accelerator.wait_for_everyone()
+    trained = _full(model.state_dict())
+    merge_fsdp_weights(out / "pytorch_model_fsdp_0", out, safe_serialization=True)
+    from safetensors.torch import load_file
+
+    merged = {"safetensors": load_file(out / "model.safetensors")}
+    parser = merge_command_parser()
+    merge_command(parser.parse_args([str(out / "pytorch_model_fsdp_0"), str(out)]))
+    merged["command"] = load_file(out / "model.safetensors")
+    args = parser.parse_args(
+        [str(out / "pytorch_model_fsdp_0"), str(out), "--unsafe_serialization"]
+    )
+    merge_command(args)
+    merged["bin"] = load(out / "pytorch_model.bin")
+    return {
+        "same": {
+            kind: weights.keys() == trained.keys()
+            and all(torch.equal(weights[k], trained[k]) for k in trained)
+            for kind, weights in merged.items()
+        },
+        "files": sorted(os.listdir(out)),
+        "reshard": plugin.reshard_after_forward,
+    }
+
+
+def test_accelerate_merge_weights_script_on_two_processes(tmp_path: Path):
+    results = run_distributed(_accelerate_merge_script, str(tmp_path))
+    for result in results:
+        assert result["same"] == {"safetensors": True, "command": True, "bin": True}
+        assert result["files"] == ["model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp_0"]
+        assert result["reshard"] is True
+
+
+def _fsdp_model_round_trip(folder: str, state_dict_type: str) -> bool:
+    from slipstream import Accelerator, FullyShardedDataParallelPlugin
+    from slipstream.utils.saving import load_fsdp_model, save_fsdp_model
+
+    plugin = FullyShardedDataParallelPlugin(state_dict_type=state_dict_type)
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    torch.manual_seed(0)
+    saved = accelerator.prepare(TinyModel())
+    save_fsdp_model(plugin, accelerator, saved, folder, model_index=1)
+    torch.manual_seed(1)
+    fresh = accelerator.prepare(TinyModel())
+    load_fsdp_model(plugin, accelerator, fresh, folder, model_index=1)
+    before, after = _full(saved.state_dict()), _full(fresh.state_dict())
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    "state_dict_type,written",
+    [
+        ("SHARDED_STATE_DICT", "pytorch_model_fsdp_1"),
+        ("FULL_STATE_DICT", "pytorch_model_fsdp_1.bin"),
+    ],
+)
+def test_save_and_load_fsdp_model(tmp_path: Path, state_dict_type: str, written: str):
+    assert run_distributed(_fsdp_model_round_trip, str(tmp_path), state_dict_type) == [True] * 2
+    assert os.listdir(tmp_path) == [written]
+
+
+def _merge_missing(folder: str) -> str:
+    from slipstream.checkpoint import CheckpointError
+
+    try:
+        merge_fsdp_weights(folder, folder + "-out")
+    except CheckpointError as error:
+        return str(error)
+    return "merged"
+
+
+def test_a_merge_failing_on_the_main_process_raises_on_every_process(tmp_path: Path):
+    messages = run_distributed(_merge_missing, str(tmp_path / "missing"))
+    for message in messages:
+        assert (
+            message
+            == f"process 0: ConfigError: {tmp_path}/missing does not exist: pass the folder save_state wrote"
+        )

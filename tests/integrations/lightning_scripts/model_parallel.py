@@ -11,6 +11,8 @@ Scenarios:
   (dp_shard=2); collectives.
 * ``tp2_dp2`` (4 processes, dp_shard=2 x tp=2): fit 1 epoch, save, resume; HSDP
   (dp_replicate=2 x dp_shard=2) for one epoch.
+* ``ep2`` (2 processes, experts over ep=2): a mixture of experts fits 1 epoch, saves,
+  resumes for a second.
 
 Each scenario also trains a Lightning-free reference in plain torch on one process (rank 0),
 from the same initial weights and on the same global batches.
@@ -67,6 +69,46 @@ def run_layers(module: Any, inputs: torch.Tensor) -> torch.Tensor:
     return module.head(torch.tanh(module.mlp(torch.tanh(module.embed(inputs)))))
 
 
+class Experts(nn.Module):
+    """Four experts stacked as 3-D parameters, called with the router's choice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(4, 32, 16) * 0.2)
+        self.w_out = nn.Parameter(torch.randn(4, 16, 32) * 0.2)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in range(self.w_in.shape[0]):
+            token, slot = torch.where(index == expert)
+            hidden = torch.tanh(x[token] @ self.w_in[expert].T) @ self.w_out[expert].T
+            out = out.index_add(0, token, hidden * weights[token, slot, None])
+        return out
+
+
+def add_expert_layers(module: nn.Module) -> None:
+    module.embed = nn.Linear(FEATURES, 16)
+    module.router = nn.Linear(16, 4, bias=False)
+    module.experts = Experts()  # split over ep by ParallelismConfig(ep_plan=["experts"])
+    module.head = nn.Linear(16, 1)
+
+
+def run_expert_layers(module: Any, inputs: torch.Tensor) -> torch.Tensor:
+    hidden = torch.tanh(module.embed(inputs))
+    weights, index = torch.softmax(module.router(hidden), -1).topk(2, dim=-1)
+    hidden = hidden + module.experts(hidden, index, weights / weights.sum(-1, keepdim=True))
+    return module.head(hidden)
+
+
+class ExpertNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        add_expert_layers(self)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return run_expert_layers(self, inputs)
+
+
 class Net(nn.Module):
     """The plain torch model of the reference (the same names as the LightningModule)."""
 
@@ -110,9 +152,10 @@ class TensorParallelRegression(pl.LightningModule):
         inputs, targets, indices = batch
         if self.current_epoch == 0:
             self.seen.extend(int(i) for i in indices)
-        self.weight_dtype = str(self.mlp.up.weight.dtype)
-        with torch.no_grad():
-            self.compute_dtype = str(self.mlp.up(torch.tanh(self.embed(inputs))).dtype)
+        if hasattr(self, "mlp"):
+            self.weight_dtype = str(self.mlp.up.weight.dtype)
+            with torch.no_grad():
+                self.compute_dtype = str(self.mlp.up(torch.tanh(self.embed(inputs))).dtype)
         loss = F.mse_loss(self(inputs), targets)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         # A sum over the data-parallel processes: each sample of the epoch counted once.
@@ -128,6 +171,18 @@ class TensorParallelRegression(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+class ExpertRegression(TensorParallelRegression):
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        add_expert_layers(self)
+        self.val_seen = SumMetric()
+        self.seen, self.mesh_dims = [], []
+        self.weight_dtype = self.compute_dtype = ""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return run_expert_layers(self, inputs)
 
 
 class Recorder(pl.Callback):
@@ -150,10 +205,15 @@ def layout(**sizes: int) -> SlipstreamStrategy:
 
 
 def fit(
-    strategy: Any, devices: int, epochs: int, ckpt_path: str | None = None, **kwargs: Any
+    strategy: Any,
+    devices: int,
+    epochs: int,
+    ckpt_path: str | None = None,
+    module: type[TensorParallelRegression] = TensorParallelRegression,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     seed()
-    model = TensorParallelRegression()
+    model = module()
     recorder = Recorder()
     callbacks = [recorder, *kwargs.pop("callbacks", [])]
     trainer = trainer_for(
@@ -233,11 +293,15 @@ def global_batches(data_parallel_size: int, epoch: int) -> list[torch.Tensor]:
 
 
 def reference(
-    start: Weights, sizes: list[int], accumulate: int = 1, clip: float | None = None
+    start: Weights,
+    sizes: list[int],
+    accumulate: int = 1,
+    clip: float | None = None,
+    net: type[nn.Module] = Net,
 ) -> Weights:
     """Plain torch on one process: the same initial weights and global batches, for one
     epoch per entry of ``sizes`` (the data-parallel size of that epoch)."""
-    model = Net()
+    model = net()
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     model.load_state_dict({k: torch.tensor(v).reshape(shapes[k]) for k, v in start.items()})
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -258,10 +322,10 @@ def reference(
     return {k: v.detach().flatten().tolist() for k, v in model.state_dict().items()}
 
 
-def fresh_weights() -> Weights:
+def fresh_weights(module: type[nn.Module] = TensorParallelRegression) -> Weights:
     """The seeded initial weights of a new model, as every Trainer run starts from."""
     seed()
-    state = TensorParallelRegression().state_dict()
+    state = module().state_dict()
     return {k: v.flatten().tolist() for k, v in state.items()}
 
 
@@ -335,6 +399,31 @@ def scenario_tp2_dp2(out: Path) -> dict[str, Any]:
         start = first["start"]
         result["reference"] = reference(start, [2, 2])
         result["reference_hsdp"] = reference(start, [4])
+    return result
+
+
+def scenario_ep2(out: Path) -> dict[str, Any]:
+    def experts() -> SlipstreamStrategy:
+        return SlipstreamStrategy(
+            parallelism_config=ParallelismConfig(ep_size=2, ep_plan=["experts"])
+        )
+
+    first = fit(experts(), devices=2, epochs=1, module=ExpertRegression)
+    strategy = first["trainer"].strategy
+    local = strategy.lightning_module.experts.w_in.to_local().shape
+    path = str(out / "ep2.ckpt")
+    first["trainer"].save_checkpoint(path)
+    resumed = fit(experts(), devices=2, epochs=2, ckpt_path=path, module=ExpertRegression)
+    result: dict[str, Any] = {
+        "fresh": fresh_weights(ExpertRegression),
+        "first": public(first),
+        "resumed": public(resumed),
+        "local_experts": list(local),
+        "saved_files": checkpoint_files(path),
+        "repr": repr(strategy),
+    }
+    if is_rank_zero():
+        result["reference"] = reference(first["start"], [2, 2], net=ExpertNet)
     return result
 
 
