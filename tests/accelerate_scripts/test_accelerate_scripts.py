@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from slipstream.compatibility import CPU_ADAPTATIONS, SCRIPT_DIFFERENCES
 from tests.distributed import device_environment
 
 from .driver import called_functions
@@ -46,19 +47,6 @@ RUNS = {
     "test_ddp_comm_hook.py": "launch",
 }
 
-#: Source changes a CPU run needs, each outside the script's checks. Accelerate runs these
-#: two scripts on GPUs only; slipstream runs them on CPU processes.
-CPU_ADAPTATIONS = {
-    "test_ddp_comm_hook.py": [
-        (
-            # The script's own reference DDP model pins a GPU; on CPU torch refuses device_ids.
-            "device_ids=[accelerator.local_process_index],\n"
-            "        output_device=accelerator.local_process_index,",
-            "device_ids=None,\n        output_device=None,",
-        )
-    ],
-}
-
 #: The script imports these at the top for test_mrpc only, which needs the network (GLUE
 #: data and a model download) and runs on GPUs only: empty stand-ins let the rest run.
 STAND_INS = {
@@ -73,39 +61,9 @@ STAND_INS = {
 }
 NEEDS_STAND_INS = {"external_deps/test_metrics.py"}
 
-#: (script, function or one call of it) -> why it fails under slipstream too; each reason is
-#: in docs/compatibility.md with the slipstream test that shows the intended behaviour.
-_MERGE = (
-    "the script compares model.state_dict() with plain tensors; under FSDP2 (slipstream's, "
-    "and Accelerate's fsdp_version=2) the state dict holds DTensors, which torch.allclose "
-    "refuses; Accelerate runs it with FSDP1 on GPUs only (tests/core/utils/test_saving.py "
-    "runs the same flow comparing full tensors)"
-)
-_BF16_HOOK = (
-    "torch's bf16 gradient-compression hooks need GPUs with NCCL: on CPU processes "
-    "slipstream refuses them when the Accelerator is made (Accelerate fails in prepare); "
-    "tests/core/strategies/test_ddp_comm_hooks.py"
-)
-_SHARDED_STREAM = (
-    "slipstream shards an IterableDataset by default (a stream that shards itself is read in "
-    "parts, another is read by every process keeping its share), so the prepared loader is a "
-    "DataLoaderShard; Accelerate dispatches it from the main process by default. "
-    "dispatch_batches=True gives Accelerate's DataLoaderDispatcher "
-    "(tests/core/data/test_prepare.py::test_prepare_data_loader_takes_accelerates_arguments)"
-)
-EXPECTED_FAILURES: dict[tuple[str, str], str] = {
-    ("external_deps/test_metrics.py", "test_gather_for_metrics_with_iterable_dataset"): (
-        _SHARDED_STREAM
-    ),
-    **{
-        ("test_merge_weights.py", f"test_merge_weights_{kind}"): _MERGE
-        for kind in ("safetensors", "command_safetensors", "pytorch", "command_pytorch")
-    },
-    **{
-        ("test_ddp_comm_hook.py", f"test_ddp_comm_hook({hook}, {wrapper}, {{}})"): _BF16_HOOK
-        for hook, wrapper in (("BF16", "NO"), ("POWER_SGD", "BF16"), ("BATCHED_POWER_SGD", "BF16"))
-    },
-}
+#: (script, function or one call of it) -> why it fails under slipstream too; the same
+#: table renders docs/compatibility.md, with the slipstream test for each.
+EXPECTED_FAILURES = SCRIPT_DIFFERENCES
 
 
 def _expected(script: str, record: dict[str, Any]) -> bool:
@@ -136,7 +94,7 @@ def migrated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for script, changes in CPU_ADAPTATIONS.items():
         path = folder / script
         text = path.read_text()
-        for before, after in changes:
+        for before, after, _why in changes:
             assert before in text, f"{script}: the adapted lines changed upstream"
             text = text.replace(before, after)
         path.write_text(text)

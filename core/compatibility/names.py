@@ -1,71 +1,38 @@
-"""Which of Hugging Face Accelerate's public names slipstream provides, and how.
-
-One row per name of ``accelerate``, ``accelerate.utils``, ``accelerate.logging`` and the
-``Accelerator`` class's members: ``same`` (the same name with a compatible signature),
-``different`` (provided, with a difference the note describes) or ``not provided`` (the
-note says why and what to use instead). ``docs/compatibility.md`` is generated from these
-rows (``python -m slipstream.compatibility``); ``slipstream migrate`` reports every use of a
-name that is not provided with its note; a test keeps the rows complete and true.
-
-Example::
-
-    lookup("accelerate", "prepare_pippy")
-    # Row(status='not provided', note='use ParallelismConfig(pp_size=...): ...')
-"""
+"""The rows: one per public name of Accelerate's ``accelerate``, ``accelerate.utils`` and
+``accelerate.logging``, and per member of its ``Accelerator``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .table import (
+    ACCELERATOR,
+    DIFFERENT,
+    LOGGING,
+    NOT_PROVIDED,
+    SAME,
+    TOP,
+    UTILS,
+    add,
+    add_each,
+)
 
-SAME, DIFFERENT, NOT_PROVIDED = "same", "different", "not provided"
-#: The namespaces of the table, in the order the document lists them.
-NAMESPACES = ("accelerate", "accelerate.utils", "accelerate.logging", "Accelerator")
-
-
-@dataclass(frozen=True)
-class Row:
-    status: str
-    note: str = ""
-
-
-TOP, UTILS, LOGGING, ACCELERATOR = NAMESPACES
 #: Names of the top level that ``accelerate.utils`` has too, with the same row in both.
 _BOTH = (TOP, UTILS)
 
-#: namespace -> name -> row. Filled in per namespace below.
-TABLE: dict[str, dict[str, Row]] = {namespace: {} for namespace in NAMESPACES}
-
-
-def _add(namespaces: str | tuple[str, ...], status: str, names: str, note: str = "") -> None:
-    """Give each of the whitespace-separated ``names`` a row in ``namespaces``."""
-    for namespace in (namespaces,) if isinstance(namespaces, str) else namespaces:
-        for name in names.split():
-            if name in TABLE[namespace]:
-                raise ValueError(f"two rows for {name!r} in {namespace}")
-            TABLE[namespace][name] = Row(status, note)
-
-
-def _add_each(namespace: str, status: str, notes: dict[str, str]) -> None:
-    """One row per name of ``notes``, with its note."""
-    for name, note in notes.items():
-        _add(namespace, status, name, note)
-
-
 # -- accelerate (and what accelerate.utils has too) ------------------------------------------
 _KEYWORDS = "pass the arguments by keyword (their order differs)"
-_add(
+add(
     TOP,
     SAME,
     """PartialState cpu_offload cpu_offload_with_hook disk_offload dispatch_model
     init_empty_weights init_on_device""",
 )
-_add(
+add(
     _BOTH,
     SAME,
     """AutocastKwargs DDPCommunicationHookType DistributedDataParallelKwargs DistributedType GradScalerKwargs
     InitProcessGroupKwargs ProfileKwargs is_rich_available synchronize_rng_states""",
 )
-_add(
+add(
     TOP,
     DIFFERENT,
     "Accelerator",
@@ -77,15 +44,15 @@ _add(
     "epoch (a warning says so); "
     "adds even_batches, debug, callbacks, save_on_preemption and preemption_signals; " + _KEYWORDS,
 )
-_add(_BOTH, DIFFERENT, "DataLoaderConfiguration", _KEYWORDS)
-_add(
+add(_BOTH, DIFFERENT, "DataLoaderConfiguration", _KEYWORDS)
+add(
     _BOTH,
     DIFFERENT,
     "DeepSpeedPlugin",
     "no is_train_batch_min, transformer_moe_cls_names, enable_msamp or msamp_opt_level; "
     + _KEYWORDS,
 )
-_add(
+add(
     _BOTH,
     DIFFERENT,
     "FullyShardedDataParallelPlugin",
@@ -97,7 +64,7 @@ _add(
     "limit_all_gathers, use_orig_params, param_init_fn, sync_module_states, forward_prefetch, "
     "activation_checkpointing_offload or cpu_ram_efficient_loading; " + _KEYWORDS,
 )
-_add(
+add(
     _BOTH,
     DIFFERENT,
     "ParallelismConfig",
@@ -105,13 +72,13 @@ _add(
     "parallelism); adds pipeline parallelism (pp_size, pp_schedule, ...), expert parallelism "
     "(ep_size, ep_plan) and tp_plan; " + _KEYWORDS,
 )
-_add(
+add(
     _BOTH,
     DIFFERENT,
     "find_executable_batch_size",
     "no reduce_batch_size_fn: the batch size is halved after each out-of-memory error",
 )
-_add(
+add(
     _BOTH,
     DIFFERENT,
     "infer_auto_device_map",
@@ -121,9 +88,9 @@ _LOAD_CHECKPOINT = (
     "strict by default, local files only, no .dat offload folders; no keep_in_fp32_modules, "
     "offload_8bit_bnb, full_state_dict or broadcast_from_rank0"
 )
-_add(TOP, DIFFERENT, "load_checkpoint_and_dispatch", _LOAD_CHECKPOINT)
-_add(_BOTH, DIFFERENT, "load_checkpoint_in_model", _LOAD_CHECKPOINT)
-_add(
+add(TOP, DIFFERENT, "load_checkpoint_and_dispatch", _LOAD_CHECKPOINT)
+add(_BOTH, DIFFERENT, "load_checkpoint_in_model", _LOAD_CHECKPOINT)
+add(
     TOP,
     DIFFERENT,
     "notebook_launcher",
@@ -133,22 +100,22 @@ _add(
     "process also runs in a worker; workers fork, except in a script that holds a process "
     "group or has used CUDA (then they spawn); no TPU or Colab path",
 )
-_add(
+add(
     TOP,
     DIFFERENT,
     "debug_launcher",
     "returns each process's result; a failure raises torch's ChildFailedError (Accelerate "
     "raises torch.multiprocessing's ProcessRaisedException)",
 )
-_add(
+add(
     TOP,
     NOT_PROVIDED,
     "prepare_pippy",
     "use ParallelismConfig(pp_size=...): prepare splits the model into pipeline stages, "
     "which run inference in eval mode and train with accelerator.forward_backward",
 )
-_add(TOP, NOT_PROVIDED, "rich", "no rich traceback handler is installed: rich.traceback.install()")
-_add(
+add(TOP, NOT_PROVIDED, "rich", "no rich traceback handler is installed: rich.traceback.install()")
+add(
     TOP,
     DIFFERENT,
     "skip_first_batches",
@@ -161,7 +128,7 @@ _ULYSSES = (
 )
 
 # -- accelerate.utils ------------------------------------------------------------------------
-_add(
+add(
     UTILS,
     SAME,
     """ComputeEnvironment DummyOptim DynamoBackend GradientAccumulationPlugin
@@ -186,7 +153,7 @@ _add(
     wait_for_everyone write_basic_config""",
 )
 # What is installed, which devices exist.
-_add(
+add(
     UTILS,
     SAME,
     """is_4bit_bnb_available is_8bit_bnb_available is_aim_available is_amdsmi_available
@@ -204,14 +171,14 @@ _add(
     is_transformer_engine_available is_transformers_available is_triton_available
     is_wandb_available is_weights_only_available is_xccl_available is_xpu_available""",
 )
-_add(
+add(
     UTILS,
     DIFFERENT,
     "broadcast gather pad_across_processes reduce",
     "the first argument is named data (any nested structure of tensors), not tensor: pass it "
     "positionally; state= picks a ProcessState",
 )
-_add_each(
+add_each(
     UTILS,
     DIFFERENT,
     {
@@ -248,7 +215,7 @@ _add_each(
         ),
     },
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     """MegatronLMPlugin AbstractTrainStep BertTrainStep GPTTrainStep T5TrainStep MegatronEngine
@@ -260,7 +227,7 @@ _add(
     "Megatron-LM is not supported: use ParallelismConfig (tensor, pipeline, context and "
     "expert parallelism with FSDP2) for the same layouts",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     """AORecipeKwargs FP8RecipeKwargs MSAMPRecipeKwargs TERecipeKwargs apply_fp8_autowrap
@@ -270,7 +237,7 @@ _add(
     'fp8 training is mixed_precision="fp8" (torchao\'s float8 linear layers, converted by '
     "prepare); there are no recipe objects and no Transformer Engine or MS-AMP backend",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     """disable_fsdp_ram_efficient_loading enable_fsdp_ram_efficient_loading fsdp2_apply_ac
@@ -280,7 +247,7 @@ _add(
     "FSDP2 is the strategy's job: prepare shards the model, save_state/load_state and "
     "save_model save and load it (slipstream merge-weights merges a sharded checkpoint)",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     """DeepSpeedEngineWrapper DeepSpeedOptimizerWrapper DeepSpeedSchedulerWrapper
@@ -289,7 +256,7 @@ _add(
     "DeepSpeed is the strategy's job: prepare builds the engine from the DeepSpeedPlugin "
     "(accelerator.deepspeed_plugin); use deepspeed's own API for anything else",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     """PrepareForLaunch TORCH_LAUNCH_PARAMS check_cuda_p2p_ib_support
@@ -297,7 +264,7 @@ _add(
     prepare_multi_gpu_env prepare_simple_launcher_cmd_env set_numa_affinity""",
     "a launcher internal: use slipstream launch, notebook_launcher or debug_launcher",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     """BnbQuantizationConfig has_4bit_bnb_layers is_bitsandbytes_multi_backend_available
@@ -305,14 +272,14 @@ _add(
     "bitsandbytes quantization is not integrated: quantize with transformers "
     "(BitsAndBytesConfig) before prepare",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     "load_offloaded_weight load_offloaded_weights offload_weight save_offload_index",
     "disk offload writes safetensors files and an index.json, not Accelerate's .dat files: "
     "use disk_offload, offload_state_dict or load_checkpoint_and_dispatch(offload_folder=...)",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     """check_tied_parameters_in_config check_tied_parameters_on_same_device
@@ -320,39 +287,39 @@ _add(
     "loading and dispatching keep tied weights tied themselves (a tied value is put at every "
     "name it feeds); find_tied_parameters lists them",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     "install_xla prepare_tpu",
     "TPUs (XLA) are not supported: slipstream runs on CPUs and CUDA GPUs",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     "SageMakerDistributedType prepare_sagemager_args_inputs",
     "launching on Amazon SageMaker is not supported",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     """MITA_PROFILING_AVAILABLE_PYTORCH_VERSION XPU_PROFILING_AVAILABLE_PYTORCH_VERSION
     TORCH_DISTRIBUTED_OPERATION_TYPES extract_submodules_state_dict""",
     "an Accelerate internal with no use outside it",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     "compile_regions compile_regions_deepspeed compile_regions_fsdp2",
     "regional compilation is not provided: compile the repeated blocks yourself "
     "(for block in model.layers: block.compile())",
 )
-_add(
+add(
     UTILS,
     NOT_PROVIDED,
     "get_grad_scaler get_mixed_precision_context_manager",
     "use the accelerator's: accelerator.scaler, accelerator.autocast()",
 )
-_add_each(
+add_each(
     UTILS,
     NOT_PROVIDED,
     {
@@ -382,10 +349,10 @@ _add_each(
     },
 )
 # -- accelerate.logging ----------------------------------------------------------------------
-_add(LOGGING, SAME, "MultiProcessAdapter get_logger")
+add(LOGGING, SAME, "MultiProcessAdapter get_logger")
 
 # -- Accelerator members ---------------------------------------------------------------------
-_add(
+add(
     ACCELERATOR,
     SAME,
     """accumulate autocast backward check_trigger clear clip_grad_norm_ clip_grad_value_
@@ -404,7 +371,7 @@ _add(
     tensor_parallel_rank torch_device_mesh trigger_sync_in_backward unscale_gradients
     use_distributed use_stateful_dataloader verify_device_map wait_for_everyone""",
 )
-_add_each(
+add_each(
     ACCELERATOR,
     DIFFERENT,
     {
@@ -436,13 +403,13 @@ _add_each(
         ),
     },
 )
-_add(
+add(
     ACCELERATOR,
     DIFFERENT,
     "on_local_main_process on_main_process",
     "decorators only: the function is required",
 )
-_add_each(
+add_each(
     ACCELERATOR,
     NOT_PROVIDED,
     {
@@ -452,44 +419,3 @@ _add_each(
         "deepspeed_ulysses_dl_adapter": _ULYSSES,
     },
 )
-
-
-def lookup(namespace: str, name: str) -> Row | None:
-    """The row of ``name`` in ``namespace`` (``None`` when the table has none)."""
-    return TABLE.get(namespace, {}).get(name)
-
-
-def markdown() -> str:
-    """``docs/compatibility.md``."""
-    lines = [
-        "# Compatibility with Hugging Face Accelerate",
-        "",
-        "Every public name of Accelerate 1.15's `accelerate`, `accelerate.utils` and "
-        "`accelerate.logging`, and every public member of its `Accelerator`: **same** (the "
-        "same name in `slipstream`, `slipstream.utils`, `slipstream.logging` or slipstream's "
-        "`Accelerator`, with a compatible signature), **different** (provided, with the "
-        "difference noted) or **not provided** (why, and what to use instead). "
-        "`slipstream migrate` reports every use of a name that is not provided. This page is "
-        "generated from `slipstream/compatibility.py` (`python -m slipstream.compatibility`); "
-        "a test checks it against Accelerate's names and slipstream's.",
-    ]
-    for namespace in NAMESPACES:
-        rows = TABLE[namespace]
-        counts = {
-            s: sum(r.status == s for r in rows.values()) for s in (SAME, DIFFERENT, NOT_PROVIDED)
-        }
-        lines += [
-            "",
-            f"## `{namespace}`",
-            "",
-            f"{counts[SAME]} same, {counts[DIFFERENT]} different, {counts[NOT_PROVIDED]} not provided.",
-            "",
-            "| name | status | notes |",
-            "|---|---|---|",
-        ]
-        lines += [f"| `{name}` | {row.status} | {row.note} |" for name, row in sorted(rows.items())]
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")
