@@ -217,3 +217,16 @@ def sync_module_states(model: nn.Module, state: ProcessState, group: Any = None)
 
 def _load_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     model.load_state_dict(tensors, strict=True)
+
+
+def share_router_statistics(model: nn.Module, state: ProcessState) -> None:
+    """A mixture-of-experts model's load-balancing loss over the global batch, as one
+    process computes it, when ``state``'s processes see different samples: the loss is a
+    product of batch means, so the mean of per-process losses is another number
+    (:func:`slipstream.parallel.experts.install_global_aux_loss`; a no-op for other models)."""
+    if state.num_processes > 1:
+        import torch.distributed as dist
+
+        from ..parallel.experts.aux_loss import install_global_aux_loss
+
+        install_global_aux_loss(model, state.group or dist.group.WORLD)

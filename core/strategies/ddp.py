@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from .base import Strategy
+from .base import Strategy, share_router_statistics
 
 
 class DDPStrategy(Strategy):
@@ -61,6 +61,7 @@ class DDPStrategy(Strategy):
         if self.state.num_processes == 1 or not any(p.requires_grad for p in model.parameters()):
             # Nothing to synchronise (frozen or evaluation-only model).
             return model
+        share_router_statistics(model, self.state)
         device = self.state.device
         device_ids = [device.index or 0] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.options)

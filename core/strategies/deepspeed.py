@@ -17,7 +17,7 @@ from torch import nn
 
 from ..runtime.env import provide_local_rank
 from ..runtime.state import DistributedType, ProcessState
-from .base import Strategy
+from .base import Strategy, share_router_statistics
 from .deepspeed_plugin import DeepSpeedConfigError, DeepSpeedPlugin, DummyOptim, DummyScheduler
 
 if TYPE_CHECKING:
@@ -138,6 +138,7 @@ class DeepSpeedStrategy(Strategy):
             self.config.setdefault("zero_force_ds_cpu_optimizer", False)
             self.config.setdefault("zero_allow_untested_optimizer", True)
         self._cast_io(model)
+        share_router_statistics(model, self.state)
         engine_scheduler = next((s for s in schedulers if isinstance(s, DummyScheduler)), None)
         self.engine, engine_optimizer, _, _ = self.deepspeed.initialize(
             model=model,

@@ -21,7 +21,7 @@ from ..checkpoint import sharded
 from ..checkpoint.names import indexed_name, model_folder, optimizer_folder
 from ..checkpoint.sharded import clean_name
 from ..runtime.state import DistributedType, ProcessState
-from .base import Strategy, check_matching_weights, sync_module_states
+from .base import Strategy, check_matching_weights, share_router_statistics, sync_module_states
 from .fsdp_plugin import FullyShardedDataParallelPlugin
 
 if TYPE_CHECKING:
@@ -168,6 +168,7 @@ class FSDPStrategy(Strategy):
 
     def _before_sharding(self, model: nn.Module) -> None:
         """Called with the placed model before FSDP shards it (tensor parallelism)."""
+        share_router_statistics(model, self.state)
 
     def _shard_mesh(self) -> Any:
         """The DeviceMesh FSDP shards over (``None``: all processes)."""

@@ -545,3 +545,15 @@ def test_errors_are_clear_and_the_same_on_every_process():
             case,
             first[case],
         )
+
+
+def test_plain_data_parallelism_uses_the_load_balancing_loss_of_the_global_batch():
+    # Without a parallel layout (DDP, and FSDP2 over both processes) a transformers MoE
+    # model's aux loss is that of the global batch too: losses and weights match one process.
+    ddp, fsdp = run_distributed(
+        _runs,
+        ("single", "qwen", 3),
+        ("single", "qwen", 3, {"plugin": {"reshard_after_forward": True}}),
+    )[0]
+    _check_against_reference(ddp, "qwen")
+    _check_against_reference(fsdp, "qwen")
