@@ -19,6 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SCRIPTS = [
     "ddp_overhead.py",
+    "diagnostics_overhead.py",
     "tp_overhead.py",
     "pp_overhead.py",
     "pp_bubble.py",

@@ -12,7 +12,8 @@ ExportWeights. Needs Lightning and torchmetrics (pip install
     slipstream launch -n 2 --cpu examples/lightning_train.py   # started by slipstream launch
     python examples/lightning_train.py --quick            # a few seconds (used by the tests)
 
-Run it again with ``--resume`` to continue from the last checkpoint in ``--output``.
+Prints the held-out loss and accuracy before training and after every epoch. Run it again
+with ``--resume`` to continue from the last checkpoint in ``--output``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from slipstream.integrations.lightning import ExportWeights  # also registers the names
@@ -42,6 +44,7 @@ class Classifier(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(features, 64), nn.ReLU(), nn.Linear(64, classes))
         # Exact under slipstream: samples the sampler repeats to even out shards are dropped.
         self.val_accuracy = MulticlassAccuracy(num_classes=classes)
+        self.val_loss = MeanMetric()
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.net(inputs)
@@ -54,11 +57,31 @@ class Classifier(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, labels = batch
-        self.val_accuracy.update(self(inputs), labels)
+        logits = self(inputs)
+        self.val_accuracy.update(logits, labels)
+        self.val_loss.update(F.cross_entropy(logits, labels, reduction="none"))
         self.log("val_accuracy", self.val_accuracy)
+        self.log("val_loss", self.val_loss)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class Report(pl.Callback):
+    """Prints the held-out loss and accuracy after each validation (main process)."""
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        # The metric objects, not the logged values: those are computed only after this hook.
+        loss, accuracy = module.val_loss.compute(), module.val_accuracy.compute()
+        when = (
+            "before training"
+            if trainer.state.fn == "validate"
+            else f"epoch {trainer.current_epoch}"
+        )
+        if trainer.is_global_zero:
+            print(f"{when}: held-out loss {float(loss):.4f}, accuracy {float(accuracy):.3f}")
 
 
 class Data(pl.LightningDataModule):
@@ -93,9 +116,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    # Lightning warns that validation on several processes counts repeated samples; with
+    # slipstream's metrics it does not (they drop the repeats).
+    warnings.filterwarnings("ignore", ".*it is recommended to use `Trainer\\(devices=1.*")
 
     pl.seed_everything(0)
-    train = 256 if args.quick else 8192
+    train = 1024 if args.quick else 8192
     epochs = args.epochs or (2 if args.quick else 5)
     data = Data(train=train, valid=1001, batch_size=16 if args.quick else 64)
     model = Classifier()
@@ -109,15 +135,18 @@ def main() -> None:
         precision=args.precision,
         max_epochs=epochs,
         gradient_clip_val=1.0,
-        callbacks=[checkpoints, export],
+        callbacks=[checkpoints, export, Report()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,  # the validation before training checks the loop already
     )
     resume = None
     if args.resume:
         found = sorted(Path(args.output).glob("epoch=*.ckpt"), key=os.path.getmtime)
         resume = str(found[-1]) if found else None
+    else:
+        trainer.validate(model, data, verbose=False)  # the untrained model: chance level
     trainer.fit(model, data, ckpt_path=resume)
     accuracy = trainer.callback_metrics.get("val_accuracy")
     if trainer.is_global_zero and accuracy is None:

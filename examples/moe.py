@@ -10,7 +10,8 @@ predicts each next token. With transformers installed the model is a tiny random
 initialised Qwen3-MoE, which brings its own expert plan and load-balancing loss (computed
 over the global batch, as one process would); otherwise (or with --plain) a plain module
 whose experts are 3-D parameters, named by ``ep_plan``. The training loop is the usual four
-lines; ``accelerator.expert_load()`` reports how evenly the router spreads the tokens.
+lines; ``accelerator.expert_load()`` reports how evenly the router spreads the tokens. The
+held-out next-token loss and accuracy are printed before training and after every epoch.
 
 Options: --quick, --plain, --ep N (default 2), --save DIR (consolidated safetensors weights,
 with a transformers model also its config: ``from_pretrained(DIR)`` loads it).
@@ -104,14 +105,32 @@ def counting_sequences(count: int, generator: torch.Generator) -> torch.Tensor:
     return (start + step * torch.arange(LENGTH)) % VOCAB
 
 
-def loss_and_hits(model: nn.Module, tokens: torch.Tensor, plain: bool) -> tuple[torch.Tensor, ...]:
-    """The loss and, for every predicted position from the third on, whether it was right."""
+def training_loss(model: nn.Module, tokens: torch.Tensor, plain: bool) -> torch.Tensor:
+    """The next-token loss (a transformers model adds its load-balancing loss)."""
     if plain:
         logits = model(tokens)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 2:].reshape(-1))
-        return loss, logits.argmax(-1) == tokens[:, 2:]
-    output = model(input_ids=tokens, labels=tokens)
-    return output.loss, output.logits[:, 1:-1].argmax(-1) == tokens[:, 2:]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 2:].reshape(-1))
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def evaluate(
+    accelerator: Accelerator, model: nn.Module, loader: DataLoader, plain: bool
+) -> tuple[float, float]:
+    """Held-out next-token loss and accuracy for every position from the third on (the plain
+    model sees two tokens), every sequence counted once over all processes."""
+    model.eval()
+    loss_sum, correct, seen = 0.0, 0, 0
+    with torch.no_grad():
+        for (tokens,) in loader:
+            logits = model(tokens) if plain else model(input_ids=tokens).logits[:, 1:-1]
+            target = tokens[:, 2:]
+            losses = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+            losses, hits = accelerator.gather_for_metrics((losses, logits.argmax(-1) == target))
+            loss_sum += float(losses.sum())
+            correct += int(hits.sum())
+            seen += hits.numel()
+    model.train()
+    return loss_sum / seen, correct / seen
 
 
 def main() -> None:
@@ -130,7 +149,7 @@ def main() -> None:
     accelerator = Accelerator(parallelism_config=config)
     set_seed(0)
     generator = torch.Generator().manual_seed(0)
-    sequences = counting_sequences(2048 if args.quick else 8192, generator)
+    sequences = counting_sequences(2048 if args.quick else 4096, generator)
     train, held_out = TensorDataset(sequences[:-256]), TensorDataset(sequences[-256:])
 
     model = PlainMoE() if plain else tiny_qwen3_moe()
@@ -148,31 +167,26 @@ def main() -> None:
         f"{(accelerator.expert_parallel_rank + 1) * EXPERTS // args.ep - 1} of every layer"
     )
 
+    held_loss, accuracy = evaluate(accelerator, model, evaluation, plain)
+    # An untrained model: loss about ln 32 = 3.47, accuracy about 1/32.
+    accelerator.print(f"before training: held-out loss {held_loss:.4f}, accuracy {accuracy:.3f}")
+    accelerator.expert_load()  # resets the counts, so the epoch's load counts training only
     report_every = max(1, len(loader) // 4)
     for epoch in range(1 if args.quick else 2):
-        model.train()
         for step, (tokens,) in enumerate(loader):
-            loss, _ = loss_and_hits(model, tokens, plain)
+            loss = training_loss(model, tokens, plain)
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(model.parameters(), 1.0)  # experts and the rest
             optimizer.step()
             optimizer.zero_grad()
             if epoch == 0 and step % report_every == 0:
                 mean_loss = accelerator.reduce(loss.detach(), "mean").item()
-                accelerator.print(f"  step {step}: loss {mean_loss:.4f}")
+                accelerator.print(f"  step {step}: training loss {mean_loss:.4f}")
         load = accelerator.expert_load()  # tokens per expert this epoch, all processes
-        model.eval()
-        correct = seen = 0
-        with torch.no_grad():
-            for (tokens,) in evaluation:
-                _, hits = loss_and_hits(model, tokens, plain)
-                hits = accelerator.gather_for_metrics(hits)
-                correct += int(hits.sum())
-                seen += hits.numel()
-        mean_loss = accelerator.reduce(loss.detach(), "mean").item()
+        held_loss, accuracy = evaluate(accelerator, model, evaluation, plain)
         accelerator.print(
-            f"epoch {epoch}: loss {mean_loss:.4f}, held-out next-token accuracy "
-            f"{correct / seen:.3f}, expert load imbalance (max/mean) {load.max_imbalance:.2f}"
+            f"epoch {epoch}: held-out loss {held_loss:.4f}, accuracy {accuracy:.3f}, "
+            f"expert load imbalance (max/mean) {load.max_imbalance:.2f}"
         )
     if args.save:
         accelerator.save_model(model, args.save)  # whole weights, every expert

@@ -3,6 +3,7 @@
 Runs with automatic checkpoint naming (runs/resume/checkpoints/checkpoint_N, newest 2 kept).
 Stop it at any time (or pass --stop_after N) and run it again: it loads the newest complete
 checkpoint and continues with the very next batch, bitwise identical to an uninterrupted run.
+The held-out loss and accuracy are printed at the start and at the end.
 
     slipstream launch --num_processes 2 --cpu examples/resume.py --stop_after 7
     slipstream launch --num_processes 2 --cpu examples/resume.py      # continues at step 8
@@ -23,6 +24,24 @@ from torch.utils.data import DataLoader, TensorDataset
 from slipstream import Accelerator, ProjectConfiguration, set_seed
 
 
+def evaluate(accelerator: Accelerator, model: nn.Module, loader: DataLoader) -> tuple[float, float]:
+    """Held-out loss and accuracy, every sample counted once over all processes."""
+    model.eval()
+    loss_sum, correct, seen = 0.0, 0, 0
+    with torch.no_grad():
+        for x, y in loader:
+            outputs = model(x)
+            losses = F.cross_entropy(outputs, y, reduction="none")
+            losses, predictions, y = accelerator.gather_for_metrics(
+                (losses, outputs.argmax(dim=1), y)
+            )
+            loss_sum += float(losses.sum())
+            correct += int((predictions == y).sum())
+            seen += len(y)
+    model.train()
+    return loss_sum / seen, correct / seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--project_dir", default="runs/resume")
@@ -41,21 +60,33 @@ def main() -> None:
     )
     set_seed(0)
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(
-        torch.randn(400, 8, generator=generator), torch.randn(400, 1, generator=generator)
+    inputs = torch.randn(600, 8, generator=generator)
+    labels = inputs[:, :4].argmax(dim=1)  # which of the first four features is largest
+    train = TensorDataset(inputs[:400], labels[:400])
+    held_out = TensorDataset(inputs[400:], labels[400:])
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer, loader, evaluation = accelerator.prepare(
+        model,
+        optimizer,
+        DataLoader(train, batch_size=8, shuffle=True),
+        DataLoader(held_out, batch_size=50),
     )
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(data, batch_size=8, shuffle=True)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    def report(when: str) -> None:
+        loss, accuracy = evaluate(accelerator, model, evaluation)
+        accelerator.print(f"{when}: held-out loss {loss:.4f}, accuracy {accuracy:.3f}")
 
     if os.path.isdir(os.path.join(args.project_dir, "checkpoints")):
         where = accelerator.load_state()  # the newest complete checkpoint
+        # No evaluation here: a loader's iterator draws from the random state just restored.
         accelerator.print(f"resumed from {where} at step {accelerator.step}")
+    else:
+        report("before training")  # an untrained model: loss about ln 4 = 1.386
 
     while accelerator.step < args.steps:
-        for inputs, targets in loader:
-            loss = F.mse_loss(model(inputs), targets)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -66,6 +97,7 @@ def main() -> None:
                 return
             if accelerator.step == args.steps:
                 break
+    report(f"step {accelerator.step}")
     checksum = sum(
         p.detach().double().sum().item() for p in accelerator.unwrap_model(model).parameters()
     )

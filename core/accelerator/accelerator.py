@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 
 from ..callbacks import CallbackRunner
 from ..data.active_loaders import ActiveLoaders
+from ..diagnostics.hang import watch_for_hangs
 from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
 from ..optim.scheduler import AcceleratedScheduler
 from ..options.kwargs import (
@@ -131,6 +133,11 @@ class Accelerator(
             process, so no RNG needs synchronising each epoch; asking for the global
             ``"torch"``/``"cuda"`` RNGs warns (call ``synchronize_rng_states`` yourself
             where identical random streams are wanted).
+        hang_timeout: seconds (or a timedelta) without an optimizer step or a finished
+            collective after which every process reports what it is doing and the job ends
+            with exit code 86 (see docs/misbehaving.md); default: a little under the process
+            group's timeout on several processes, off for one; 0 switches it off. Also
+            ``--hang_timeout`` and ``SLIPSTREAM_HANG_TIMEOUT``.
     """
 
     def __init__(
@@ -158,6 +165,7 @@ class Accelerator(
         preemption_signals: str | Sequence[str] | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         rng_types: Sequence[str] | None = None,
+        hang_timeout: float | timedelta | None = None,
     ) -> None:
         warn_about_rng_types(rng_types)
         handlers = {type(h): h for h in kwargs_handlers or ()}
@@ -249,6 +257,7 @@ class Accelerator(
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}
         self._preemption = self._preemption_handler(save_on_preemption, preemption_signals, launch)
+        watch_for_hangs(self.state, hang_timeout, launch, self.project_configuration)
         note_accelerator(self)
 
     def _preemption_handler(

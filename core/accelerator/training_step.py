@@ -4,6 +4,7 @@ gradient clipping, routed through the strategy, the precision and the step state
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
 from ..optim.step import StepState
 from ..options.kwargs import AutocastKwargs
 from ..precision import Precision
+from ..runtime.flight import PROGRESS
 from ..runtime.state import ProcessState
 from ..strategies import Strategy
 
@@ -56,11 +58,15 @@ class TrainingStepMixin:
         hooks = self.callbacks.callbacks
         if hooks:
             self.callbacks.call("on_before_backward", self, loss)
+        started = time.perf_counter()
         loss = self._scaled_loss(loss)
         if self.strategy.plain_backward:
             loss.backward(**kwargs)
         else:
             self.strategy.backward(loss, **kwargs)
+        # Where data-parallel processes wait for each other (StragglerMonitor).
+        ended = PROGRESS.backward_end = time.perf_counter()
+        PROGRESS.backward_seconds += ended - started
         if hooks:
             self.callbacks.call("on_after_backward", self)
 
@@ -117,7 +123,10 @@ class TrainingStepMixin:
         hooks = self.callbacks.callbacks
         if hooks:  # forward and backward interleave: there is no loss before backward yet
             self.callbacks.call("on_before_backward", self, None)
+        started = time.perf_counter()
         loss = pipeline.train(inputs, target, loss_fn, self._scaled_loss)
+        ended = PROGRESS.backward_end = time.perf_counter()
+        PROGRESS.backward_seconds += ended - started  # the schedule's waits are in here
         if hooks:
             self.callbacks.call("on_after_backward", self)
         return loss

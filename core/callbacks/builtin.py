@@ -1,51 +1,14 @@
-"""Built-in callbacks: throughput, gradient norm, early stopping across processes."""
+"""Built-in callbacks: gradient norm, early stopping across processes (the throughput
+monitor has a module of its own: :mod:`slipstream.callbacks.throughput`)."""
 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
 
 from .base import Callback
-
-
-class ThroughputMonitor(Callback):
-    """Logs ``throughput/samples_per_second`` and ``throughput/step_seconds`` through the
-    trackers every ``log_every_n_steps`` optimizer steps.
-
-    ``samples_per_step`` defaults to the active prepared dataloader's global batch size
-    times the gradient-accumulation steps.
-    """
-
-    def __init__(self, log_every_n_steps: int = 10, samples_per_step: int | None = None) -> None:
-        self.log_every_n_steps = log_every_n_steps
-        self.samples_per_step = samples_per_step
-        self._last: float | None = None
-        self._steps = 0
-        self.last_values: dict[str, float] = {}
-
-    def on_after_optimizer_step(self, accelerator: Any, optimizer: Any) -> None:
-        now = time.perf_counter()
-        if self._last is None:
-            self._last = now
-            return
-        self._steps += 1
-        if self._steps < self.log_every_n_steps:
-            return
-        seconds = (now - self._last) / self._steps
-        samples = self.samples_per_step
-        if samples is None:
-            loader = accelerator.active_loaders.innermost
-            batch = loader.total_batch_size if loader is not None else None
-            samples = batch * accelerator.gradient_accumulation_steps if batch else None
-        values = {"throughput/step_seconds": seconds}
-        if samples:
-            values["throughput/samples_per_second"] = samples / seconds
-        self.last_values = values
-        accelerator.log(values, step=accelerator.step)
-        self._last, self._steps = now, 0
 
 
 class GradientNormMonitor(Callback):

@@ -11,6 +11,7 @@ import sys
 from ..options.errors import ConfigError
 from . import check, configure, environment, estimate_memory, merge_weights, migrate
 from . import launch as launch_command
+from .suggest import refuse_unknown
 
 _COMMANDS = [
     configure,
@@ -37,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``slipstream`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse alone would say "unrecognized arguments" and nothing more
+        refuse_unknown(parser, [args.command, getattr(args, "action", None)], unknown)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

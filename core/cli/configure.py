@@ -8,6 +8,7 @@ invalid one is asked again); the file is validated as a whole before anything is
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ..launcher.config import (
     write_basic_config,
 )
 from ..runtime.env import default_config_file
+from .text import description
 
 Ask = Callable[[str], str]
 Say = Callable[[str], None]
@@ -31,7 +33,11 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "config",
         help="create, write a default, or validate a configuration file",
-        description=__doc__.splitlines()[0],
+        description=description(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        # ACTION is optional (without one the questions are asked), which argparse's
+        # generated usage does not show.
+        usage="%(prog)s [-h] [--config_file FILE] [{default,validate} ...]",
     )
     parser.set_defaults(run=run, action=None)
     parser.add_argument(
@@ -39,9 +45,11 @@ def register(subparsers: Any) -> None:
         "--config-file",
         dest="config_file",
         default=None,
+        metavar="FILE",
         help=f"where to save (default {default_config_file()})",
     )
-    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    # prog given: argparse would build it from the usage above, options and all.
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", prog=parser.prog)
     default = actions.add_parser("default", help="write a basic config using all devices")
     default.add_argument(
         "--mixed_precision",
@@ -57,29 +65,49 @@ def register(subparsers: Any) -> None:
     validate.add_argument("file", help="the YAML file to check")
 
 
-class Questionnaire:
-    """Asks the questions; ``ask`` reads an answer (``input``), ``say`` prints."""
+def _say(text: str) -> None:
+    # Flushed, so that what is printed and an error on stderr keep their order in a log.
+    print(text, flush=True)
 
-    def __init__(self, ask: Ask = input, say: Say = print) -> None:
+
+class Questionnaire:
+    """Asks the questions; ``ask`` reads an answer (``input``), ``say`` prints. With
+    ``echo`` (answers piped in, not typed) each answer is printed after its prompt, so
+    every question stays on its own line, as on a terminal.
+
+    Example::
+
+        answers = iter(["multi-CPU", "2"])
+        q = Questionnaire(ask=lambda prompt: next(answers), say=print)
+        q.choice("Which type of machine?", ["no", "multi-CPU"], "no")   # 'multi-CPU'
+    """
+
+    def __init__(self, ask: Ask = input, say: Say = _say, echo: bool = False) -> None:
         self._ask = ask
         self.say = say
+        self._echo = echo
 
     def _read(self, prompt: str) -> str:
         try:
-            return self._ask(prompt).strip()
+            answer = self._ask(prompt).strip()
         except EOFError:
+            self.say("")  # ends the prompt's line: the error gets a line of its own
             raise ConfigError(
                 "the input ended before the questionnaire was finished; nothing was written"
             ) from None
+        if self._echo:
+            self.say(answer)
+        return answer
 
     def text(
         self,
         question: str,
         default: str | None = None,
         check: Callable[[str], str | None] | None = None,
+        show_default: bool = True,
     ) -> str:
         """Free text; ``check`` returns an error message or None."""
-        suffix = f" [{default}]" if default is not None else ""
+        suffix = f" [{default}]" if default is not None and show_default else ""
         while True:
             answer = self._read(f"{question}{suffix}: ") or (default or "")
             problem = check(answer) if check else (None if answer else "an answer is required")
@@ -89,7 +117,7 @@ class Questionnaire:
 
     def choice(self, question: str, options: Sequence[str], default: str) -> str:
         """One of ``options`` (case-insensitive), or its number."""
-        listing = ", ".join(f"{i}) {o}" for i, o in enumerate(options))
+        listing = ", ".join(f"{i}: {o}" for i, o in enumerate(options))
         lowered = {o.lower(): o for o in options}
 
         def check(answer: str) -> str | None:
@@ -128,8 +156,10 @@ class Questionnaire:
             ok = answer.lower() in ("y", "yes", "n", "no", "true", "false")
             return None if ok else f"'{answer}' is not yes or no"
 
-        shown = "yes/NO" if not default else "YES/no"
-        answer = self.text(f"{question} [{shown}]", "yes" if default else "no", check)
+        shown = "yes/NO" if not default else "YES/no"  # the capitals are the default
+        answer = self.text(
+            f"{question} [{shown}]", "yes" if default else "no", check, show_default=False
+        )
         return answer.lower() in ("y", "yes", "true")
 
 
@@ -185,7 +215,10 @@ def ask_questions(q: Questionnaire) -> dict[str, Any]:
         values["num_processes"] = per_machine * int(values.get("num_machines", 1))
     # DeepSpeed shards over every process itself, so a layout only makes sense without it.
     several = values.get("num_processes", 1) > 1 and values["distributed_type"] != "DEEPSPEED"
-    if several and q.yes("Do you want to use a parallelism config (TP, CP or HSDP sizes)?"):
+    if several and q.yes(
+        "Do you want to use a parallelism config (tensor, context, pipeline or expert "
+        "parallelism, or HSDP: TP, CP, PP, EP sizes)?"
+    ):
         values["parallelism_config"] = _parallelism_questions(q, values["num_processes"])
     values["mixed_precision"] = q.choice(
         "Do you wish to use mixed precision?", list(MIXED_PRECISION), "no"
@@ -268,7 +301,10 @@ def _ask_sizes(q: Questionnaire, num_processes: int) -> dict[str, Any]:
     from ..parallel.config import CONFIG_PREFIX, ParallelismConfig
 
     while True:
-        q.say(f"The sizes must multiply to {num_processes} (processes); -1 takes the rest.")
+        q.say(
+            f"The sizes must multiply to {num_processes} (processes); -1 takes the rest. "
+            "Experts (ep_size) are asked for after them."
+        )
         block: dict[str, Any] = {
             CONFIG_PREFIX + "dp_replicate_size": _parallel_size(
                 q, "How many data-parallel replicas (dp_replicate_size)?", 1
@@ -282,6 +318,7 @@ def _ask_sizes(q: Questionnaire, num_processes: int) -> dict[str, Any]:
             CONFIG_PREFIX + "cp_size": _parallel_size(
                 q, "How many context-parallel processes (cp_size, CUDA only)?", 1
             ),
+            CONFIG_PREFIX + "pp_size": _parallel_size(q, "How many pipeline stages (pp_size)?", 1),
         }
         try:
             ParallelismConfig.from_config(block).resolve(num_processes)
@@ -311,6 +348,7 @@ def _expert_size(q: Questionnaire, shards: int) -> int:
 def _parallelism_questions(q: Questionnaire, num_processes: int) -> dict[str, Any]:
     """The ``parallelism_config`` block: the sizes, then the options they call for."""
     from ..parallel.config import CONFIG_PREFIX, ParallelismConfig
+    from ..parallel.config_values import PIPELINE_SCHEDULES
 
     block = _ask_sizes(q, num_processes)
     sizes = ParallelismConfig.from_config(block).resolve(num_processes)
@@ -324,6 +362,10 @@ def _parallelism_questions(q: Questionnaire, num_processes: int) -> dict[str, An
             "How do context-parallel processes exchange keys and values?",
             ["allgather", "alltoall"],
             "allgather",
+        )
+    if block[CONFIG_PREFIX + "pp_size"] > 1:
+        block[CONFIG_PREFIX + "pp_schedule"] = q.choice(
+            "Which pipeline schedule?", list(PIPELINE_SCHEDULES), "1f1b"
         )
     if block[CONFIG_PREFIX + "tp_size"] > 1:
         block[CONFIG_PREFIX + "sequence_parallel"] = q.yes(
@@ -352,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{target} already exists; delete it or pass --config_file elsewhere")
         print(f"configuration saved at {written}")
         return 0
-    values = ask_questions(Questionnaire())
+    values = ask_questions(Questionnaire(echo=not sys.stdin.isatty()))
     config, _ = config_from_dict(values, where="your answers")
     print(f"configuration saved at {save_config(config, target)}")
     return 0

@@ -4,6 +4,10 @@ MODEL is ``module:callable`` (imported with the current directory on sys.path) o
 ``path/to/file.py:callable``; the callable returns an ``nn.Module`` and is called under
 ``torch.device("meta")``, so even a huge model costs no memory to measure.
 
+The job: without --num_processes, the one the saved configuration describes (--config_file,
+else the file ``slipstream config`` wrote): its processes, parallel sizes, strategy and
+precision, named above the table; each flag overrides the file. With neither, one process.
+
 Accounting (the ZeRO paper's, N = trainable parameters, P = processes), AdamW:
 
 - fp32: weights 4N + gradients 4N + optimizer states (momentum, variance) 8N.
@@ -44,12 +48,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..options.errors import ConfigError
+from .estimate_memory_job import DIMENSIONS, job_from
 from .estimate_memory_parallel import (
     ParallelLayout,
     TensorParallelSplit,
     notes,
     tensor_parallel_split,
 )
+from .text import description
 
 if TYPE_CHECKING:
     from torch import nn
@@ -371,20 +377,33 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "estimate-memory",
         help=summary,
-        description=__doc__,  # --help shows the accounting, laid out as written
+        description=description(__doc__),  # --help shows the accounting, laid out as written
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(run=run)
     parser.add_argument("model", help="module:callable or path/to/file.py:callable")
     parser.add_argument(
-        "--num_processes", "--num-processes", type=int, default=1, help="processes (default 1)"
+        "--num_processes",
+        "--num-processes",
+        type=int,
+        default=None,
+        help="processes (default: the saved config's, else 1)",
+    )
+    parser.add_argument(
+        "--config_file",
+        "--config-file",
+        default=None,
+        help="take the processes, layout, strategy and precision from this config (default: "
+        "the one `slipstream config` wrote, when --num_processes is not given)",
     )
     parser.add_argument(
         "--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="columns (default all)"
     )
     for dim, meaning in _PARALLEL_OPTIONS:
         spellings = (f"--{dim}_size", f"--{dim.replace('_', '-')}-size")
-        parser.add_argument(*spellings, type=int, default=1, help=f"{meaning} (default 1)")
+        parser.add_argument(
+            *spellings, type=int, default=None, help=f"{meaning} (default: the config's, else 1)"
+        )
     parser.add_argument(
         "--ep_plan",
         "--ep-plan",
@@ -432,19 +451,15 @@ def _parallel_report(
 def run(args: argparse.Namespace) -> int:
     dtypes = list(dict.fromkeys(args.dtypes))  # drop repeats, keep the order given
     # Before building: a typo should not wait on a model.
-    _check(args.num_processes, dtypes)
-    layout = ParallelLayout(
-        args.num_processes,
-        args.tp_size,
-        args.pp_size,
-        args.cp_size,
-        args.dp_replicate_size,
-        args.ep_size,
-    )
-    ep_plan = [p.strip() for p in args.ep_plan.split(",") if p.strip()] if args.ep_plan else None
+    if args.num_processes is not None:
+        _check(args.num_processes, dtypes)
+    sizes = {dim: getattr(args, f"{dim}_size") for dim in DIMENSIONS}
+    job = job_from(args.num_processes, args.config_file, sizes, args.ep_plan)
+    layout, ep_plan, num_processes = job.layout, job.ep_plan, job.layout.num_processes
+    _check(num_processes, dtypes)
     model = build_model(args.model)
     counts = count_parameters(model)
-    rows = estimate(counts, args.num_processes, dtypes)
+    rows = estimate(counts, num_processes, dtypes)
     inference = inference_bytes(counts, dtypes)
     split, estimates = None, []
     if not layout.data_parallel_only or layout.ep > 1:
@@ -453,7 +468,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         report = {
             "model": args.model,
-            "num_processes": args.num_processes,
+            "num_processes": num_processes,
+            "job": job.as_dict(),
             "parameters": {**dataclasses.asdict(counts), "frozen": counts.frozen},
             # Data parallel over every process, as without the parallel options.
             "training": _rows_report(rows),
@@ -465,7 +481,9 @@ def run(args: argparse.Namespace) -> int:
             report["parallel"] = _parallel_report(counts, split, estimates)
         print(json.dumps(report, indent=2))
     elif split is not None:
+        print(job.describe())
         print(format_parallel_table(counts, estimates, split))
     else:
-        print(format_table(counts, rows, inference, args.num_processes))
+        print(job.describe())
+        print(format_table(counts, rows, inference, num_processes))
     return 0

@@ -54,6 +54,12 @@ _TOP_LEVEL: dict[str, list[tuple[str, Any, str]]] = {
             float,
             "seconds stopping workers get before they are killed (default 30)",
         ),
+        (
+            "hang_timeout",
+            float,
+            "seconds without progress before a hang report ends the job (exit code 86; "
+            "default: just under the collective timeout; 0: off)",
+        ),
     ],
 }
 _SWITCHES = {  # store_const flags: flag -> (config key, value)
@@ -148,6 +154,12 @@ _NESTED: dict[str, list[tuple[str, str, Any, str]]] = {
                 "expert-parallel processes: split the experts of MoE models (divides "
                 "dp_shard x cp)",
             ),
+            (
+                "tp_plan",
+                str,
+                "tensor-parallel plan for a model without its own: comma-separated "
+                "pattern=style, e.g. 'blocks.*.mlp.up=colwise,blocks.*.mlp.down=rowwise'",
+            ),
             ("cp_comm_strategy", str, "context-parallel exchange: allgather or alltoall"),
             ("cp_backend", str, "context-parallel backend: torch"),
             ("sequence_parallel", str, "true: shard activations along the sequence between TP"),
@@ -185,6 +197,8 @@ def register(subparsers: Any) -> None:
         "launch",
         help="run a training script on several processes / machines",
         description="Run a training script on every process of a job (built on torchrun).",
+        # The generated usage lists all ~60 flags; they are listed by group below it.
+        usage="%(prog)s [-h] [options] training_script [script arguments ...]",
         # A script's own flag (--save) must never be read as an abbreviation of ours
         # (--save_on_preemption): everything after the script belongs to the script.
         allow_abbrev=False,
@@ -213,6 +227,13 @@ def register(subparsers: Any) -> None:
                 action="store_const",
                 const=True,
                 help="check every collective for matching calls on all ranks",
+            )
+            _option(
+                group,
+                "verbose",
+                action="store_const",
+                const=True,
+                help="show torch's elastic agent's own log lines (hidden otherwise)",
             )
         if title == "fault tolerance":
             _option(

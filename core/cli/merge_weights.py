@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .text import description
+
 # Names of torch dtypes; torch itself is imported only when merging (`--help` stays fast).
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_DESCRIPTION = __doc__.splitlines()[0]
+_DESCRIPTION = description(__doc__, paragraphs=2)
 
 
 def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
@@ -40,9 +42,14 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
             "merge-weights",
             help="merge a sharded checkpoint into safetensors",
             description=_DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     else:
-        parser = argparse.ArgumentParser(prog="slipstream merge-weights", description=_DESCRIPTION)
+        parser = argparse.ArgumentParser(
+            prog="slipstream merge-weights",
+            description=_DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
     parser.add_argument(
         "checkpoint_directory",
         metavar="CHECKPOINT",

@@ -41,6 +41,7 @@ from .migrate_names import (
     provider,
     unknown_keywords,
 )
+from .text import description
 
 __all__ = [
     "MODULES",
@@ -350,7 +351,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "migrate",
         help="rewrite a project's Accelerate imports and commands for slipstream",
-        description=__doc__.splitlines()[0],
+        description=description(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if needed")

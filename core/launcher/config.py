@@ -72,6 +72,11 @@ class LaunchConfig:
     preemption_signals: str = "SIGTERM,SIGUSR1"
     #: Seconds stopping workers get (after SIGTERM) before they are killed.
     termination_grace_period: float = 30.0
+    #: Seconds without progress before every process reports what it is doing and the job
+    #: ends (exit code 86); ``None``: just under the collective timeout; 0: off.
+    hang_timeout: float | None = None
+    #: Show torch's elastic agent's own log lines (the launcher hides them otherwise).
+    verbose: bool = False
     gradient_accumulation_steps: int = 1
     dynamo_config: dict[str, Any] = field(default_factory=dict)
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
@@ -108,6 +113,7 @@ class LaunchConfig:
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "save_on_preemption": self.save_on_preemption,
             "preemption_signals": self.preemption_signals,
+            "hang_timeout": self.hang_timeout,
             "dynamo_config": self.dynamo_config,
             "deepspeed_config": self.deepspeed_config,
             "fsdp_config": self.fsdp_config,
@@ -220,6 +226,11 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
         signal_numbers(config.preemption_signals)
     except ValueError as error:
         raise ConfigError(f"{where}: preemption_signals: {error}") from None
+    if config.hang_timeout is not None and config.hang_timeout < 0:
+        raise ConfigError(
+            f"{where}: hang_timeout must be >= 0 seconds (0 turns the hang report off), got "
+            f"{config.hang_timeout}"
+        )
     if config.max_restarts < 0:
         raise ConfigError(f"{where}: max_restarts must be >= 0, got {config.max_restarts}")
     if config.gradient_accumulation_steps < 1:
@@ -319,7 +330,8 @@ def _validate_parallelism(config: LaunchConfig, where: str) -> None:
         raise ConfigError(
             f"{where}: parallelism_config: {shown} does not fit num_processes="
             f"{config.num_processes}; the sizes must multiply to num_processes (one of them may "
-            "be -1 to take the processes the others leave): change the sizes or num_processes"
+            "be -1 to take the processes the others leave; with neither data-parallel size "
+            "given, dp_shard_size takes them): change the sizes or num_processes"
         ) from None
     deepspeed = config.distributed_type.upper() == "DEEPSPEED" or bool(config.deepspeed_config)
     offending = sizes.beyond_data_parallel()

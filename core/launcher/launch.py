@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
-from ..runtime.env import export_for_workers, is_set
+from ..runtime.env import REPORT_DIR_VARIABLE, agent_logs_requested, export_for_workers, is_set
 from .config import LaunchConfig
+from .failures import exit_code_of, failure_summary, quiet_torchelastic
+from .reports import HangReports
 
 
 @dataclass(frozen=True)
@@ -129,23 +133,41 @@ def worker_variables(config: LaunchConfig) -> dict[str, str]:
 def launch(request: LaunchRequest) -> int:
     """Run the job; returns the exit code (0 when every worker succeeded, 128 + N when the
     launcher was stopped by signal N, :data:`REQUEUE_EXIT_CODE` when the workers saved a
-    checkpoint because the job was preempted)."""
+    checkpoint because the job was preempted, :data:`HANG_EXIT_CODE` when they reported a
+    hang; else the first failing worker's)."""
+    config = request.config
+    # The workers leave hang reports here; the launcher prints them as they come.
+    folder = tempfile.mkdtemp(prefix="slipstream-launch-")
+    extra = {**worker_variables(config), REPORT_DIR_VARIABLE: folder}
+    export_for_workers(config.worker_settings(), extra)
+    with HangReports(folder) as reports:
+        code = _run(request, reports)
+    shutil.rmtree(folder, ignore_errors=True)
+    return code
+
+
+def _run(request: LaunchRequest, reports: HangReports) -> int:
+    """Run torchrun's agent and turn its outcome into an exit code and one account."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    from ..diagnostics.hang import HANG_EXIT_CODE
     from ..runtime.preemption import REQUEUE_EXIT_CODE, signal_numbers
     from .lifecycle import forward_signals
 
     config = request.config
-    export_for_workers(config.worker_settings(), worker_variables(config))
     # torchrun's agent stops the workers on SIGTERM/SIGINT itself (then waits the grace
     # period); other preemption signals (SLURM's SIGUSR1) go to the workers, who save.
     death = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
     forward_signals([s for s in signal_numbers(config.preemption_signals) if s not in death])
     torchrun_args = torchrun_namespace(request)
+    # The agent's own lines (a warning per stopped worker, an error per failed one) say
+    # again what the summary below says once; they show with --debug, --verbose or LOGLEVEL.
+    verbose = config.debug or config.verbose or agent_logs_requested()
     try:
-        run(torchrun_args)
+        with quiet_torchelastic(enabled=not verbose):
+            run(torchrun_args)
     except SignalException as stopped:
         print(
             f"slipstream launch: stopped by {signal.Signals(stopped.sigval).name}; the "
@@ -154,6 +176,12 @@ def launch(request: LaunchRequest) -> int:
         )
         return 128 + int(stopped.sigval)
     except ChildFailedError as failure:
+        if reports.collect():  # the workers reported a hang and ended themselves
+            print(
+                f"slipstream launch: the job hung (report above); exit code {HANG_EXIT_CODE}",
+                file=sys.stderr,
+            )
+            return HANG_EXIT_CODE
         codes = [f.exitcode for f in failure.failures.values() if f.exitcode and f.exitcode > 0]
         if codes and all(code == REQUEUE_EXIT_CODE for code in codes):
             print(
@@ -162,6 +190,6 @@ def launch(request: LaunchRequest) -> int:
                 file=sys.stderr,
             )
             return REQUEUE_EXIT_CODE
-        print(failure.format_msg(), file=sys.stderr)
-        return codes[0] if codes else 1
+        print(failure_summary(failure.failures, config.num_processes), file=sys.stderr)
+        return exit_code_of(failure.failures)
     return 0

@@ -19,6 +19,7 @@ import time
 import traceback
 
 from ..runtime.env import error_file
+from .failures import FAILURE_KEY
 from .lifecycle import watch_parent
 
 # Messages of errors a rank gets because *another* rank died (gloo, NCCL, the TCP store).
@@ -55,17 +56,20 @@ def _user_traceback(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, tb))
 
 
-def _record(error: BaseException, path: str) -> None:
-    """Write the error file torchrun asked for, in torchelastic's documented format; the
-    launcher's failure summary prints it once, labelled with the rank."""
+def _record(error: BaseException, path: str, *, raised_at: float, by_peer: bool) -> None:
+    """Write the error file torchrun asked for, in torchelastic's documented format, plus
+    slipstream's block (when it was raised, to the sub-second, and whether a lost peer
+    caused it): the launcher's summary picks the first real failure from them and prints
+    its traceback once, labelled with the rank."""
     report = {
         "message": {
             "message": f"{type(error).__name__}: {error}",
             "extraInfo": {
                 "py_callstack": _user_traceback(error),
-                "timestamp": str(int(time.time())),
+                "timestamp": str(int(raised_at)),
             },
-        }
+        },
+        FAILURE_KEY: {"time": raised_at, "caused_by_peer": by_peer},
     }
     with open(path, "w") as handle:
         json.dump(report, handle)
@@ -94,15 +98,20 @@ def main(argv: list[str] | None = None) -> None:
         # instead of a traceback from each rank.
         sys.exit(128 + signal.SIGINT)
     except BaseException as error:
+        from ..runtime.flight import is_timeout, report_timeout
         from ..runtime.state import note_failure
 
+        if is_timeout(error):  # a collective torch timed out: report the hang first
+            report_timeout(f"{type(error).__name__} in the script: {str(error)[:120]}")
         note_failure()
+        raised_at = time.time()
         path = error_file()
         if path is None:
             raise
-        if caused_by_peer(error):
+        by_peer = caused_by_peer(error)
+        if by_peer:
             time.sleep(PEER_FAILURE_GRACE_SECONDS)
-        _record(error, path)
+        _record(error, path, raised_at=raised_at, by_peer=by_peer)
         from .config import ConfigError
 
         # A configuration error (bad parallel sizes, say) is the user's input, like a bad

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..callbacks.runner import CallbackRunner
+from ..runtime.flight import PROGRESS
 from .step import StepState
 
 
@@ -136,6 +137,10 @@ class StepCoordinator:
         self.hook_owner: Any = None
         self.optimizers: list[AcceleratedOptimizer] = []
         self.pending: list[AcceleratedOptimizer] = []
+        #: Set (by a guard's ``on_before_optimizer_step``) to skip the current step: no
+        #: optimizer applies its gradients, and the step counts as skipped, as an fp16
+        #: overflow does. Reset when the step closes.
+        self.skip_step = False
 
     def register(self, optimizer: AcceleratedOptimizer) -> None:
         self.optimizers.append(optimizer)
@@ -151,7 +156,7 @@ class StepCoordinator:
         inner = optimizer.optimizer
         if self.callbacks.callbacks:
             self.notify("on_before_optimizer_step", optimizer)
-        if self.engine is not None:
+        if self.engine is not None or self.skip_step:
             result = None
         elif self.scaler is not None:
             result = self.scaler.step(inner, closure) if closure else self.scaler.step(inner)
@@ -170,16 +175,22 @@ class StepCoordinator:
         """Close the current step: update the loss scale, record skipped and counted steps."""
         if not self.pending:
             return
-        skipped = False
+        skipped = self.skip_step
         if self.engine is not None:
-            skipped = self.engine.step_was_skipped()
-        elif self.scaler is not None:
+            skipped = skipped or self.engine.step_was_skipped()
+        elif self.scaler is not None and not skipped:
             before = self.scaler.get_scale()
             self.scaler.update()
             skipped = self.scaler.get_scale() < before
+        elif self.scaler is not None and any(o._unscaled for o in self.pending):
+            # A guard skipped a step whose gradients were unscaled: close the scaler's step
+            # (it has the inf checks it needs) so the next one may unscale again.
+            self.scaler.update()
         for optimizer in self.pending:
             optimizer.step_was_skipped = skipped
             optimizer._unscaled = False
         if not skipped:
             self.step_state.optimizer_steps += 1
+        PROGRESS.mark_step(self.step_state.optimizer_steps)  # for the hang watchdog
         self.pending = []
+        self.skip_step = False

@@ -3,7 +3,8 @@
 The same names as Accelerate's ``ParallelismConfig`` (and the same config-file keys, with
 the ``parallelism_config_`` prefix), plus ``pp_size`` for pipeline parallelism and the
 tensor-parallel plan options. Sizes multiply to the world size; one size may be ``-1`` to
-take what the others leave.
+take what the others leave, and when neither data-parallel size is given ``dp_shard_size``
+takes it (``ParallelismConfig(tp_size=2)`` on 8 processes is dp_shard 4 x tp 2).
 
 Example::
 
@@ -26,10 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config_values import (
+    CONFIG_KEYS,
     PIPELINE_BALANCE,
+    UNSUPPORTED_ACCELERATE_KEYS,
     as_bool,
     as_size,
     plain_ep_plan,
+    plain_tp_plan,
     schedule_name,
 )
 from .errors import ParallelismConfigError
@@ -185,7 +189,10 @@ class ParallelismConfig:
 
     A size left unset is 1. If no size is given at all, every process is a data-parallel
     replica (like Accelerate); with only ``ep_size``, every process shards (FSDP2). One size
-    may be ``-1``: it takes what the others leave.
+    may be ``-1``: it takes what the others leave. When only model-parallel sizes are given
+    (neither ``dp_replicate_size`` nor ``dp_shard_size``), ``dp_shard_size`` takes what they
+    leave: ``ParallelismConfig(pp_size=2)`` on 4 processes is 2 stages x dp_shard 2, where
+    Accelerate would ask for ``dp_shard_size=2`` (or ``-1``) explicitly.
 
     Example::
 
@@ -264,19 +271,40 @@ class ParallelismConfig:
 
     # -- resolution ---------------------------------------------------------------------
     def resolve(self, world_size: int) -> MeshSizes:
-        """The sizes for ``world_size`` processes; raises when they cannot multiply to it."""
+        """The sizes for ``world_size`` processes; raises when they cannot fit it.
+
+        Example::
+
+            ParallelismConfig(tp_size=2).resolve(8)   # MeshSizes(dp_shard=4, tp=2)
+        """
         given = self._given()
-        if all(size is None for size in given.values()):
-            # Experts are split over shards, so with only ep_size every process shards.
-            given["dp_shard" if self._size("ep") > 1 else "dp_replicate"] = world_size
+        implied = False
+        model_sizes = [given[dim] for dim in ("pp", "cp", "tp") if given[dim] is not None]
+        if given["dp_replicate"] is None and given["dp_shard"] is None:
+            if all(size == 1 for size in model_sizes):
+                # Nothing beyond data parallelism: every process a replica (Accelerate's
+                # rule); experts are split over shards, so with ep_size every process shards.
+                given["dp_shard" if self._size("ep") > 1 else "dp_replicate"] = world_size
+            elif -1 not in model_sizes:
+                # Model-parallel sizes only: the processes they leave shard the model (FSDP2),
+                # as tp/cp/pp combine with dp_shard, not with plain replicas.
+                given["dp_shard"], implied = -1, True
         sizes = {name: (1 if size is None else size) for name, size in given.items()}
         auto = [name for name, size in sizes.items() if size == -1]
-        fixed = math.prod(size for size in sizes.values() if size != -1)
+        fixed_sizes = {name: size for name, size in sizes.items() if size != -1}
+        fixed = math.prod(fixed_sizes.values())
         if auto:
+            if world_size % fixed and implied:
+                raise ParallelismConfigError(
+                    f"{_equals(fixed_sizes)} does not fit the job: dp_shard_size (not given) "
+                    "takes the processes the other sizes leave, which needs their product to "
+                    f"divide the number of processes, but the job has {world_size} process(es); "
+                    f"choose sizes whose product divides {world_size}"
+                )
             if world_size % fixed:
                 raise ParallelismConfigError(
                     f"{auto[0]}_size=-1 takes the processes the other sizes leave, but "
-                    f"{_product(sizes)} = {fixed} does not divide the {world_size} processes; "
+                    f"{_equals(fixed_sizes)} does not divide the {world_size} processes; "
                     "choose sizes whose product divides the number of processes"
                 )
             sizes[auto[0]] = world_size // fixed
@@ -284,7 +312,8 @@ class ParallelismConfig:
             raise ParallelismConfigError(
                 f"the parallel sizes multiply to {_product(sizes)} = {fixed} but the job has "
                 f"{world_size} process(es); make dp_replicate_size x dp_shard_size x cp_size x "
-                f"tp_size x pp_size equal {world_size} (or set one of them to -1)"
+                f"tp_size x pp_size equal {world_size} (or set one of them to -1, or leave "
+                "both data-parallel sizes out: dp_shard_size then takes the rest)"
             )
         ep = self._size("ep")
         shards = sizes["dp_shard"] * sizes["cp"]
@@ -391,16 +420,16 @@ class ParallelismConfig:
         comm_strategy: str | None = None
         for raw_key, value in block.items():
             key = str(raw_key).removeprefix(CONFIG_PREFIX)
-            if key in _UNSUPPORTED_ACCELERATE_KEYS:
-                if value not in _UNSUPPORTED_ACCELERATE_KEYS[key]:
+            if key in UNSUPPORTED_ACCELERATE_KEYS:
+                if value not in UNSUPPORTED_ACCELERATE_KEYS[key]:
                     raise ParallelismConfigError(
                         f"parallelism_config: {raw_key}={value!r} asks for DeepSpeed sequence "
                         "parallelism (Ulysses), which slipstream does not provide; use "
                         "parallelism_config_cp_size for long sequences"
                     )
                 continue
-            if key not in _CONFIG_KEYS:
-                spelled = [CONFIG_PREFIX + k for k in _CONFIG_KEYS]
+            if key not in CONFIG_KEYS:
+                spelled = [CONFIG_PREFIX + k for k in CONFIG_KEYS]
                 close = difflib.get_close_matches(CONFIG_PREFIX + key, spelled, 1, cutoff=0.8)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise ParallelismConfigError(f"parallelism_config: unknown key '{raw_key}'{hint}")
@@ -411,12 +440,7 @@ class ParallelismConfig:
             elif key == "sequence_dim":
                 values[key] = as_size(raw_key, value)
             elif key == "tp_plan":
-                if not isinstance(value, Mapping):
-                    raise ParallelismConfigError(
-                        f"parallelism_config: {raw_key} must map module-name patterns to styles "
-                        f"such as colwise/rowwise, got {value!r}"
-                    )
-                values[key] = {str(k): str(v) for k, v in value.items()}
+                values[key] = plain_tp_plan(value, raw_key)
                 _check_style_names(raw_key, values[key])
             elif key == "ep_plan":
                 values[key] = plain_ep_plan(value, raw_key)
@@ -438,35 +462,6 @@ class ParallelismConfig:
         return config
 
 
-_CONFIG_KEYS = (
-    "dp_replicate_size",
-    "dp_shard_size",
-    "tp_size",
-    "cp_size",
-    "pp_size",
-    "ep_size",
-    "ep_plan",
-    "cp_backend",
-    "cp_comm_strategy",
-    "tp_plan",
-    "sequence_parallel",
-    "sequence_dim",
-    "pp_schedule",
-    "pp_microbatches",
-    "pp_stages_per_rank",
-    "pp_split_points",
-    "pp_balance",
-)
-# Accelerate's DeepSpeed-Ulysses keys: accepted only when they ask for nothing.
-_UNSUPPORTED_ACCELERATE_KEYS: dict[str, tuple[Any, ...]] = {
-    "sp_size": (1, "1", None),
-    "sp_backend": ("deepspeed", None),
-    "sp_seq_length": (None,),
-    "sp_seq_length_is_variable": (True, "true", None),
-    "sp_attn_implementation": (None,),
-}
-
-
 def _check_style_names(key: str, plan: Mapping[str, str]) -> None:
     """Style names in a config block are checked when it is read, so a typo stops the
     launcher instead of every worker."""
@@ -483,3 +478,9 @@ def _check_style_names(key: str, plan: Mapping[str, str]) -> None:
 def _product(sizes: Mapping[str, int]) -> str:
     shown = [f"{name}_size={size}" for name, size in sizes.items() if size != 1]
     return " x ".join(shown) or "1"
+
+
+def _equals(sizes: Mapping[str, int]) -> str:
+    """``tp_size=3`` or ``pp_size=2 x tp_size=3 = 6``."""
+    shown = _product(sizes)
+    return f"{shown} = {math.prod(sizes.values())}" if " x " in shown else shown

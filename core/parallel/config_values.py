@@ -26,6 +26,34 @@ PIPELINE_SCHEDULES = {
     "dualpipev": "ScheduleDualPipeV",
 }
 PIPELINE_BALANCE = ("parameters", "count")
+#: The keys of a ``parallelism_config`` block (after the ``parallelism_config_`` prefix).
+CONFIG_KEYS = (
+    "dp_replicate_size",
+    "dp_shard_size",
+    "tp_size",
+    "cp_size",
+    "pp_size",
+    "ep_size",
+    "ep_plan",
+    "cp_backend",
+    "cp_comm_strategy",
+    "tp_plan",
+    "sequence_parallel",
+    "sequence_dim",
+    "pp_schedule",
+    "pp_microbatches",
+    "pp_stages_per_rank",
+    "pp_split_points",
+    "pp_balance",
+)
+# Accelerate's DeepSpeed-Ulysses keys: accepted only when they ask for nothing.
+UNSUPPORTED_ACCELERATE_KEYS: dict[str, tuple[Any, ...]] = {
+    "sp_size": (1, "1", None),
+    "sp_backend": ("deepspeed", None),
+    "sp_seq_length": (None,),
+    "sp_seq_length_is_variable": (True, "true", None),
+    "sp_attn_implementation": (None,),
+}
 
 
 def schedule_name(name: str) -> str:
@@ -36,6 +64,30 @@ def schedule_name(name: str) -> str:
             return ours
     raise ParallelismConfigError(
         f"unknown pipeline schedule {name!r}; use one of {', '.join(PIPELINE_SCHEDULES)}"
+    )
+
+
+def plain_tp_plan(value: Any, key: str = "tp_plan") -> dict[str, str]:
+    """A tp_plan as config files and ``--parallelism_config_tp_plan`` write it: a mapping of
+    module-name patterns to styles, or the text ``"pattern=style,pattern=style"``.
+
+    Example::
+
+        plain_tp_plan("mlp.up=colwise,mlp.down=rowwise")   # {"mlp.up": "colwise", ...}
+    """
+    if isinstance(value, str):
+        # The flag's spelling; a pattern never holds ',' or '=' (module names cannot).
+        pairs = [part.partition("=") for part in value.split(",") if part.strip()]
+        if pairs and all(
+            sep and pattern.strip() and style.strip() for pattern, sep, style in pairs
+        ):
+            return {pattern.strip(): style.strip() for pattern, _, style in pairs}
+    elif isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    raise ParallelismConfigError(
+        f"parallelism_config: {key} must map module-name patterns to styles such as "
+        "colwise/rowwise (in a config file a mapping, on the command line "
+        f"'mlp.up=colwise,mlp.down=rowwise'), got {value!r}"
     )
 
 

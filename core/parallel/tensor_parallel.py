@@ -176,7 +176,9 @@ def resolve_plan(
             f"tp_size={tp} splits layers across processes, but {type(model).__name__} has no "
             "tensor-parallel plan: pass ParallelismConfig(tp_plan={pattern: style}) mapping "
             "module names ('*' matches one part) to 'colwise' (split outputs) and 'rowwise' "
-            f"(split inputs), e.g. {{'mlp.up': 'colwise', 'mlp.down': 'rowwise'}}; "
+            f"(split inputs), e.g. {{'mlp.up': 'colwise', 'mlp.down': 'rowwise'}} (in a config "
+            "file the parallelism_config key parallelism_config_tp_plan, on the command line "
+            "slipstream launch --parallelism_config_tp_plan 'mlp.up=colwise,mlp.down=rowwise'); "
             f"{describe_modules(model)}"
         )
     planned = expand_plan(model, plan, strict=strict)

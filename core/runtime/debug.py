@@ -29,7 +29,8 @@ def collective(operation: str) -> Callable[[F], F]:
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             state = kwargs.get("state") or current_state()
-            with guarded(operation, state.process_index):
+            group = tuple(state.global_ranks) if state.global_ranks is not None else None
+            with guarded(operation, state.process_index, args[0] if args else None, group):
                 return function(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]

@@ -26,6 +26,14 @@ DEBUG_VARIABLE = "SLIPSTREAM_DEBUG"
 CONFIG_FILE_VARIABLE = "SLIPSTREAM_CONFIG_FILE"
 #: Where torchrun tells a worker to write its error report.
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+#: Seconds without progress before a hang is reported (0: never); see
+#: ``Accelerator(hang_timeout=...)``.
+HANG_TIMEOUT_VARIABLE = "SLIPSTREAM_HANG_TIMEOUT"
+#: The folder ``slipstream launch`` reads hang reports from (set by the launcher).
+REPORT_DIR_VARIABLE = "SLIPSTREAM_REPORT_DIR"
+#: torch's Flight Recorder: how many collectives each process keeps (torch's current name;
+#: the second, NCCL-only name is the one older versions read: a user's setting of it wins).
+FLIGHT_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 #: The values :func:`str_to_bool` reads as true and as false.
 _YES = ("y", "yes", "t", "true", "on", "1")
@@ -201,6 +209,32 @@ def error_file() -> str | None:
     return os.environ.get(ERROR_FILE_VARIABLE) or None
 
 
+def hang_timeout_from_environment() -> float | None:
+    """:data:`HANG_TIMEOUT_VARIABLE` in seconds, if set."""
+    raw = os.environ.get(HANG_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise LaunchEnvironmentError(
+            f"{HANG_TIMEOUT_VARIABLE}={raw!r} is not a number of seconds; unset it or set e.g. 600"
+        ) from None
+
+
+def report_dir() -> str | None:
+    """The folder the launcher collects hang reports in (``None`` without ``slipstream
+    launch``)."""
+    return os.environ.get(REPORT_DIR_VARIABLE) or None
+
+
+def enable_flight_recorder(entries: int) -> None:
+    """Have torch record the last ``entries`` collectives of each process group formed from
+    now on (its Flight Recorder, read by hang reports). The user's own setting wins."""
+    if entries > 0 and not any(name in os.environ for name in FLIGHT_RECORDER_VARIABLES):
+        os.environ[FLIGHT_RECORDER_VARIABLES[0]] = str(entries)
+
+
 def export_for_workers(launch_config: Mapping[str, Any], extra: Mapping[str, str]) -> None:
     """Set the variables the launched workers inherit (called by the launcher only)."""
     os.environ[LAUNCH_CONFIG_VARIABLE] = json.dumps(dict(launch_config), sort_keys=True)
@@ -366,6 +400,15 @@ def purge_accelerate_environment(func_or_cls: Any) -> Any:
         lambda cls, **kw: wrap_tests(cls)
     )
     return func_or_cls
+
+
+def agent_logs_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the user asked to see torchrun's agent logs: torch's own ``LOGLEVEL`` (or
+    ``SLIPSTREAM_LOG_LEVEL``) at ``INFO`` or ``DEBUG``. ``slipstream launch`` otherwise hides
+    the agent's lines about stopping and failed workers, which its own summary replaces."""
+    env = os.environ if environ is None else environ
+    levels = (env.get("LOGLEVEL", ""), env.get("SLIPSTREAM_LOG_LEVEL", ""))
+    return any(level.strip().upper() in ("DEBUG", "INFO") for level in levels)
 
 
 def log_level_from_environment() -> str | None:

@@ -1,12 +1,16 @@
 """Errors of collectives and process groups, and :func:`guarded`, which turns torch's
-low-level timeout and lost-peer errors into them. Both the process state and the collective
-checks raise these, so they live below both.
+low-level timeout and lost-peer errors into them (and records the collective for hang
+reports). Both the process state and the collective checks raise these, so they live below
+both.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
+
+from .flight import COLLECTIVES, report_timeout
 
 _PEER_GONE = (
     "Connection closed by peer",
@@ -35,14 +39,23 @@ class PeerProcessFailedError(RuntimeError):
 
 
 @contextlib.contextmanager
-def guarded(operation: str, rank: int) -> Iterator[None]:
-    """Turn torch's low-level timeout / lost-peer errors into ones that say what to do."""
+def guarded(
+    operation: str, rank: int, data: Any = None, group: tuple[int, ...] | None = None
+) -> Iterator[None]:
+    """Turn torch's low-level timeout / lost-peer errors into ones that say what to do.
+
+    The collective is recorded in :data:`slipstream.runtime.flight.COLLECTIVES` (``data``
+    and ``group``, the global ranks taking part, describe it); a timeout first lets the
+    hang watchdog report the job's state (see :mod:`slipstream.diagnostics.hang`)."""
+    record = COLLECTIVES.enter(operation, data, group)
     try:
         yield
+        COLLECTIVES.finish(record)
     except RuntimeError as error:
         text = str(error)
         # "Connect timeout": gloo connects at the first collective (see connect_gloo_lazily).
         if "timed out" in text.lower() or "timeout" in text.lower():
+            report_timeout(f"collective '{operation}' on process {rank} timed out")
             raise CollectiveTimeoutError(
                 f"collective '{operation}' on process {rank} timed out waiting for the other "
                 "processes. Usually one process skipped this call or called another collective; "

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .env import LaunchEnvironment, read_launch_environment
+from .env import LaunchEnvironment, enable_flight_recorder, read_launch_environment
 from .errors import guarded
+from .flight import PROGRESS, is_timeout, report_timeout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,6 +56,9 @@ class DistributedType(str, enum.Enum):
 #: How long a collective may wait for the other processes before failing (torch's default;
 #: change it with ``InitProcessGroupKwargs(timeout=...)``).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: Collectives torch's Flight Recorder keeps per process (for hang reports; about 0.2 µs
+#: per collective).
+FLIGHT_RECORDER_ENTRIES = 2000
 
 
 class JobMesh(Protocol):
@@ -111,6 +115,7 @@ class ProcessState:
         owns_process_group: bool,
         debug: bool = False,
         launch: LaunchEnvironment | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         self.process_index = process_index
         self.num_processes = num_processes
@@ -121,6 +126,8 @@ class ProcessState:
         self.owns_process_group = owns_process_group
         self.debug = debug
         self.launch = launch if launch is not None else LaunchEnvironment()
+        #: How long a collective waits for the others before failing (the group's timeout).
+        self.timeout = timeout or DEFAULT_TIMEOUT
         #: The process group collectives on this state use (``None``: all processes).
         self.group: dist.ProcessGroup | None = None
         #: Global ranks of this state's processes, by index (``None``: the identity).
@@ -185,6 +192,7 @@ class ProcessState:
             backend = backend or default_backend(device)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
+            enable_flight_recorder(FLIGHT_RECORDER_ENTRIES)
             init_kwargs: dict[str, object] = {
                 "backend": backend,
                 "timeout": timeout or DEFAULT_TIMEOUT,
@@ -221,6 +229,7 @@ class ProcessState:
             owns_process_group=owns,
             debug=bool(debug),
             launch=launch,
+            timeout=timeout,
         )
 
     # -- who am I -------------------------------------------------------------------------
@@ -323,7 +332,8 @@ class ProcessState:
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this point."""
         if self.num_processes > 1:
-            with guarded("wait_for_everyone", self.process_index):
+            group = tuple(self.global_ranks) if self.global_ranks is not None else None
+            with guarded("wait_for_everyone", self.process_index, None, group):
                 if self.backend == "nccl":
                     dist.barrier(group=self.group, device_ids=[self.device.index or 0])
                 else:
@@ -390,6 +400,8 @@ def _watch_for_failure() -> None:
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         note_failure()
+        if is_timeout(value):  # a collective timed out: let the hang watchdog report first
+            report_timeout(f"{kind.__name__}: {str(value)[:120]}")
         previous(kind, value, tb)
 
     sys.excepthook = excepthook
@@ -400,6 +412,7 @@ def _destroy_group_at_exit() -> None:
     # active exception") and turn a successful run into a non-zero exit code. A process
     # that finished cleanly first waits (bounded) for the others, so no process tears down
     # connections a peer is still using; after a failure it leaves at once.
+    PROGRESS.finishing = True  # waiting for the others here is not a hang of this process
     if not (dist.is_available() and dist.is_initialized()):
         return
     if not _failed and dist.get_world_size() > 1 and dist.get_backend() == "gloo":

@@ -220,15 +220,6 @@ def test_single_process_memory_url_round_trip(tmp_path):
     assert result["resumed"]["global_step"] == 32
 
 
-def test_example_runs_quickly_on_two_processes(tmp_path):
-    result = run_python(
-        str(REPO / "examples" / "lightning_train.py"), "--quick", "--output", str(tmp_path),
-        timeout=150,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "accuracy" in result.stdout
-
-
 # -- configuration and errors (in this process; no Trainer runs) ------------------------------------
 def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, **kwargs)

@@ -120,7 +120,10 @@ def describe_candidates(model: nn.Module, limit: int = 12) -> str:
 def _how_to_declare(model: nn.Module) -> str:
     return (
         "name the experts modules with ParallelismConfig(ep_plan=['blocks.*.moe.experts']) "
-        "(module-name patterns, '*' matches one part): each is called as experts(hidden_states, "
+        "(module-name patterns, '*' matches one part; in a config file the parallelism_config "
+        "key parallelism_config_ep_plan, on the command line slipstream launch "
+        "--parallelism_config_ep_plan 'blocks.*.moe.experts'): each is called as "
+        "experts(hidden_states, "
         "top_k_index, top_k_weights) and holds its experts as 3-D parameters [num_experts, ...] "
         f"or an nn.ModuleList (see docs/moe.md); {describe_candidates(model)}"
     )

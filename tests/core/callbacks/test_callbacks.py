@@ -183,6 +183,8 @@ def test_builtin_monitors_and_early_stopping_across_ranks():
         assert result["trigger"] is True
     assert r0["logged_keys"] == [
         "grad_norm",
+        "throughput/flops_per_second",  # counted once with FlopCounterMode (no peak on CPU)
+        "throughput/flops_per_step",
         "throughput/samples_per_second",
         "throughput/step_seconds",
         "val_loss",

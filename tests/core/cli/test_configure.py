@@ -132,16 +132,19 @@ def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
             "",  # dp_shard_size [-1]
             "3",  # tp_size: 3 does not divide 8
             "",  # cp_size [1]
+            "",  # pp_size [1]
             "2",  # dp_replicate_size, asked again
             "-2",  # not a size
             "-1",  # dp_shard_size: the rest
             "x",  # not a number
             "2",  # tp_size
             "-1",  # cp_size: a second -1
+            "",  # pp_size [1]
             "2",  # dp_replicate_size, asked again
             "",  # dp_shard_size [-1]: 2
             "2",  # tp_size
             "1",  # cp_size
+            "1",  # pp_size
             "3",  # ep_size: 3 does not divide the 2 sharding processes
             "1",  # ep_size: experts not split
             "yes",  # sequence parallelism
@@ -165,6 +168,7 @@ def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
         "parallelism_config_dp_shard_size": -1,
         "parallelism_config_tp_size": 2,
         "parallelism_config_cp_size": 1,
+        "parallelism_config_pp_size": 1,
         "parallelism_config_sequence_parallel": True,
     }
     assert (config.distributed_type, config.num_processes) == ("FSDP", 8)
@@ -176,7 +180,7 @@ def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
 def test_questionnaire_asks_the_context_parallel_exchange(tmp_path):
     target = tmp_path / "cp.yaml"
     lines = [
-        *("", "multi-GPU", "1", "no", "no", "no", "2", "y", "", "1", "", "2"),
+        *("", "multi-GPU", "1", "no", "no", "no", "2", "y", "", "1", "", "2", ""),
         *("2", "alltoall", "bf16"),  # ep_size, the exchange, precision
     ]
     result = answer(target, lines)
@@ -229,6 +233,45 @@ def test_input_ending_early_writes_nothing(tmp_path):
     result = answer(target, ["", "multi-CPU"])
     assert result.returncode == 2 and "nothing was written" in result.stderr
     assert not target.exists()
+    # The unanswered prompt's line is ended, so the error (on stderr) is not glued to it.
+    assert result.stdout.endswith("How many machines will you use? [1]: \n"), result.stdout
+
+
+def test_piped_answers_read_like_a_terminal_session(tmp_path):
+    """Answers from a pipe are not echoed by a terminal: the questionnaire prints each after
+    its prompt, so every question is on a line of its own."""
+    target = tmp_path / "piped.yaml"
+    answers = ["", "multi-CPU", "1", "no", "no", "no", "4", "yes"]
+    sizes = ["", "", "", "", "2", "2", "gpipe", ""]  # pp_size 2, ep_size 2, schedule, precision
+    result = answer(target, answers + sizes)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:3] == [
+        "In which compute environment are you running? (0: LOCAL_MACHINE) [LOCAL_MACHINE]: ",
+        "Which type of machine are you using? (0: no, 1: multi-CPU, 2: multi-GPU) [no]: multi-CPU",
+        "How many machines will you use? [1]: 1",
+    ]
+    prompts = [line for line in lines if "?" in line]
+    assert all(line.count("?") == 1 for line in prompts), "one question per line"
+    assert all(line.count("(") == line.count(")") for line in lines), "balanced parentheses"
+    assert "Do you want to compile your model with torch dynamo (torch.compile)? [yes/NO]: no" in (
+        lines
+    ), "a yes/no question shows its default once"
+    layout = next(line for line in lines if "parallelism config" in line)
+    assert all(word in layout for word in ("TP", "CP", "PP", "EP", "HSDP")), layout
+    assert "How many pipeline stages (pp_size)? [1]: 2" in lines
+    config, _ = load_config(target)
+    assert config.parallelism_config["parallelism_config_pp_size"] == 2
+    assert config.parallelism_config["parallelism_config_pp_schedule"] == "gpipe"
+    assert config.parallel_layout() == "pp=2 x dp_shard=2 (experts over ep=2)"
+
+
+def test_config_flags_that_name_an_action_point_to_it():
+    result = run_cli("config", "--default")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --default (did you mean 'slipstream config default'?)" in (
+        result.stderr
+    )
 
 
 def test_config_default_and_validate(tmp_path):

@@ -61,6 +61,12 @@ def _run(*argv: str) -> int:
     return int(args.run(args))
 
 
+@pytest.fixture(autouse=True)
+def _no_saved_config(monkeypatch, tmp_path) -> None:
+    """A configuration saved on this machine would choose the job; the tests choose it."""
+    monkeypatch.setenv("SLIPSTREAM_CONFIG_FILE", str(tmp_path / "no-saved-config.yaml"))
+
+
 @pytest.fixture
 def isolated_imports(monkeypatch) -> Iterator[None]:
     """Undo what importing a model from a temporary folder adds to sys.path and sys.modules."""
@@ -208,7 +214,7 @@ def test_json_output_parses_with_exact_bytes(capsys):
 
 def test_dtypes_pick_the_columns(capsys):
     _run(SMALL, "--dtypes", "fp16", "fp32")
-    header = capsys.readouterr().out.splitlines()[2]
+    header = next(line for line in capsys.readouterr().out.splitlines() if "Training" in line)
     assert header.split()[-2:] == ["fp16", "fp32"] and "bf16" not in header
 
 
@@ -571,3 +577,59 @@ def test_ep_sizes_and_plans_are_checked():
     # (it holds no stacked experts), naming the module.
     with pytest.raises(ConfigError, match="which holds no experts"):
         _run(SMALL, "--num_processes", "2", "--ep_size", "2", "--ep_plan", "1")
+
+
+# The job: a saved configuration, flags, or one process
+
+FSDP_ON_4 = (
+    "distributed_type: FSDP\nnum_processes: 4\nuse_cpu: true\nmixed_precision: bf16\n"
+    "fsdp_config: {fsdp_version: 2}\nparallelism_config: {parallelism_config_tp_size: 2}\n"
+)
+
+
+@needs_registration
+def test_the_job_comes_from_a_config_file(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(FSDP_ON_4)
+    result = run_cli("estimate-memory", SMALL, "--config_file", str(config))
+    assert result.returncode == 0, result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first == (
+        f"Estimated for 4 processes (dp 2 x tp 2), from {config}, which trains with FSDP in "
+        "bf16 (flags override it)"
+    )
+    assert "Training, per process of 4" in result.stdout and "dp 2 x tp 2" in result.stdout
+
+
+def test_the_saved_config_is_the_default_and_flags_override_it(tmp_path, monkeypatch, capsys):
+    saved = tmp_path / "default_config.yaml"
+    saved.write_text(
+        "distributed_type: DEEPSPEED\nnum_processes: 8\nuse_cpu: true\n"
+        "deepspeed_config: {zero_stage: 3}\n"
+    )
+    monkeypatch.setenv("SLIPSTREAM_CONFIG_FILE", str(saved))
+    assert _run(SMALL, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_processes"] == 8
+    assert report["job"] == {"config_file": str(saved), "strategy": "ZeRO-3", "dtype": "fp32"}
+    training = {(r["strategy"], r["dtype"]): r["total"] for r in report["training"]}
+    assert training["ZeRO-3", "fp32"] == 16 * math.ceil(165 / 8)
+    # A size flag overrides the file's layout; its process count stays.
+    assert _run(SMALL, "--tp_size", "2") == 0
+    assert "Estimated for 8 processes (dp 4 x tp 2), from" in capsys.readouterr().out
+    # --num_processes describes the job itself: the saved file is not read.
+    assert _run(SMALL, "--num_processes", "2") == 0
+    assert capsys.readouterr().out.splitlines()[0] == "Estimated for 2 processes"
+
+
+def test_without_a_config_or_flags_it_says_how_to_give_the_job(capsys):
+    assert _run(SMALL) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("Estimated for 1 process; no saved configuration: pass --num_processes")
+
+
+def test_a_broken_config_file_is_named(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("num_procesess: 4\n")
+    with pytest.raises(ConfigError, match="unknown key 'num_procesess'"):
+        _run(SMALL, "--config_file", str(config))

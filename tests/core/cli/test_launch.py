@@ -24,6 +24,7 @@ FLAGS = (
     "pp_size",
     "cp_comm_strategy",
     "sequence_parallel",
+    "tp_plan",
 )
 
 # Writes what its worker was told (the launch configuration's block) and the mesh it built.
@@ -235,3 +236,90 @@ def test_a_config_error_inside_the_workers_ends_the_launch_with_exit_code_2():
         in result.stderr
     )
     assert "prepared a model" not in result.stdout
+
+
+# A model with no tensor-parallel plan of its own; the layout comes from the launch flags.
+PLANLESS = textwrap.dedent(
+    """
+    from torch import nn
+    from slipstream import Accelerator
+
+    accelerator = Accelerator()
+    model = accelerator.prepare(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)))
+    accelerator.print(f"prepared on {accelerator.parallelism_config.sizes.describe()}")
+    """
+)
+
+
+def test_the_tensor_parallel_plan_can_come_from_a_flag(tmp_path: Path):
+    """Asked for tp by a flag, the missing-plan error names the flag and the config key that
+    give a plan, not only ParallelismConfig(tp_plan=...); and that flag works."""
+    script = tmp_path / "planless.py"
+    script.write_text(PLANLESS)
+    flags = ["launch", "-n", "2", "--cpu", "--parallelism_config_tp_size", "2"]
+    missing = run_cli(*flags, str(script), timeout=120)
+    assert missing.returncode == 2, missing.stderr
+    assert "has no tensor-parallel plan: pass ParallelismConfig(tp_plan=" in missing.stderr
+    assert "the parallelism_config key parallelism_config_tp_plan" in missing.stderr
+    assert "slipstream launch --parallelism_config_tp_plan 'mlp.up=colwise" in missing.stderr
+    planned = run_cli(
+        *flags, "--parallelism_config_tp_plan", "0=colwise,2=rowwise", str(script), timeout=120
+    )
+    assert planned.returncode == 0, planned.stderr
+    assert "prepared on tp=2" in planned.stdout
+
+
+def test_a_tp_plan_flag_is_read_as_pattern_style_pairs():
+    config, _ = resolve_config(
+        parse(
+            "-n", "4", "--parallelism_config_tp_plan", "blocks.*.up=colwise, blocks.*.down=rowwise"
+        )
+    )
+    from slipstream import ParallelismConfig
+
+    parallel = ParallelismConfig.from_config(config.parallelism_config)
+    assert parallel.tp_plan == {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    with pytest.raises(ConfigError, match=r"'blocks\.up' has unknown style 'colwide'"):
+        resolve_config(parse("-n", "2", "--parallelism_config_tp_plan", "blocks.up=colwide"))
+    with pytest.raises(
+        ConfigError, match=r"on the command line 'mlp\.up=colwise,mlp\.down=rowwise'"
+    ):
+        resolve_config(parse("-n", "2", "--parallelism_config_tp_plan", "colwise"))
+
+
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        (["launch", "--num_proceses", "2", "train.py"], "--num_proceses (did you mean --num_processes?)"),
+        (["launch", "--mixed-precison=bf16", "t.py"], "--mixed-precison=bf16 (did you mean --mixed-precision?)"),
+        (["launch", "--parallelism_config_tp_szie", "2", "t.py"], "(did you mean --parallelism_config_tp_size?)"),
+        (["config", "--default"], "--default (did you mean 'slipstream config default'?)"),
+        (["config", "validate", "x.yaml", "--verbose"], "unrecognized arguments: --verbose"),
+        (["estimate-memory", "m:f", "--tp-sise", "2"], "--tp-sise 2 (did you mean --tp-size?)"),
+        (["migrate", "--chek", "."], "--chek (did you mean --check?)"),
+        (["env", "--config-flie", "c.yaml"], "--config-flie c.yaml (did you mean --config-file?)"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_flag_is_answered_with_the_nearest_one(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+):
+    from slipstream.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(arguments)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    # The subcommand's own usage and name, not the top-level "slipstream [-h] COMMAND".
+    command = " ".join(arguments[:2] if arguments[1] == "validate" else arguments[:1])
+    assert f"slipstream {command}: error: unrecognized arguments: " in error, error
+    assert message in error, error
+    if command == "launch":
+        assert len(error.strip().splitlines()) == 2, "a short usage, not all 60 launch flags"
+
+
+def test_flags_after_the_script_belong_to_the_script(tmp_path: Path):
+    script = tmp_path / "echo.py"
+    script.write_text("import sys\nprint(sys.argv[1:])\n")
+    result = run_cli("launch", "-n", "1", "--cpu", str(script), "--num_proceses", "2")
+    assert result.returncode == 0, result.stderr
+    assert "['--num_proceses', '2']" in result.stdout

@@ -20,6 +20,15 @@ from slipstream.parallel import MeshSizes, ParallelismConfigError, TorchContextP
         ({}, 4, MeshSizes(dp_replicate=4)),  # nothing given: every process a replica (Accelerate)
         ({}, 1, MeshSizes()),
         ({"dp_shard_size": 1}, 1, MeshSizes()),
+        # Neither data-parallel size given: dp_shard takes what the model-parallel sizes leave.
+        ({"tp_size": 2}, 8, MeshSizes(dp_shard=4, tp=2)),
+        ({"pp_size": 2}, 4, MeshSizes(pp=2, dp_shard=2)),
+        ({"pp_size": 2, "tp_size": 2}, 4, MeshSizes(pp=2, tp=2)),
+        ({"tp_size": 2, "ep_size": 2}, 8, MeshSizes(dp_shard=4, tp=2, ep=2)),
+        # ... but sizes of 1 ask for nothing beyond data parallelism: replicas (Accelerate).
+        ({"tp_size": 1}, 4, MeshSizes(dp_replicate=4)),
+        # A data-parallel size given: the unset ones are 1 and the sizes must multiply.
+        ({"dp_replicate_size": 2, "tp_size": 2}, 4, MeshSizes(dp_replicate=2, tp=2)),
     ],
 )
 def test_sizes_resolve_to_the_world(kwargs, world, expected):
@@ -48,6 +57,9 @@ def test_accelerate_properties_follow_the_resolved_sizes():
         ({"dp_shard_size": 2, "tp_size": 2}, 2, "multiply to dp_shard_size=2 x tp_size=2 = 4"),
         ({"dp_shard_size": 3}, 4, "but the job has 4 process(es)"),
         ({"tp_size": 3, "dp_shard_size": -1}, 4, "does not divide the 4 processes"),
+        ({"tp_size": 3}, 4, "dp_shard_size (not given) takes the processes the other sizes"),
+        ({"tp_size": 4}, 2, "but the job has 2 process(es)"),
+        ({"dp_shard_size": 1, "tp_size": 2}, 4, "multiply to tp_size=2 = 2"),
     ],
 )
 def test_sizes_that_do_not_fit_the_world_are_a_clear_error(kwargs, world, message):

@@ -1,0 +1,80 @@
+"""StragglerMonitor on 4 CPU processes: the one process slowed down is named (in the
+warning, the monitor and the tracker figures); with none slowed, none is."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from slipstream import Accelerator, StragglerMonitor
+from tests.distributed import run_distributed
+
+STEPS = 13  # the first only starts the clock: 3 windows of 4
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.logged: list[dict] = []
+
+    def on_log(self, accelerator, values, step) -> None:
+        if any(key.startswith("straggler/") for key in values):
+            self.logged.append(dict(values))
+
+
+class Samples(Dataset):
+    """Random samples; slow to read (``delay`` seconds a batch of 8) on one process."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return 8 * 4 * STEPS
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index % 8 == 0:
+            time.sleep(self.delay)
+        return torch.randn(16)
+
+
+def _job(slow: int | None, delay: float) -> dict:
+    monitor = StragglerMonitor(log_every_n_steps=4, factor=1.5)
+    recorder = Recorder()
+    accelerator = Accelerator(callbacks=[monitor, recorder])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    samples = Samples(delay if accelerator.process_index == slow else 0.0)
+    loader = DataLoader(samples, batch_size=8)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    named = []
+    for batch in loader:  # a slow data loader on one process
+        loss = model(batch).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if monitor.last_table and accelerator.step % 4 == 1:
+            named.append(list(monitor.stragglers))
+    return {"named": named, "table": monitor.last_table, "logged": recorder.logged}
+
+
+@pytest.mark.parametrize("slow", [2, None])
+def test_the_slowed_process_of_four_is_named(slow, capfd):
+    results = run_distributed(_job, slow, 0.05, world_size=4)
+    for result in results:  # every process reaches the same verdict
+        assert result["named"] == [[slow] if slow is not None else []] * 3, result
+        assert len(result["logged"]) == 3
+    if slow is not None:
+        table = results[0]["table"]
+        assert table[slow][1] > 0.04, "the waiting shows as data time"
+        assert all(row[0] > 0.04 for row in table), "everyone's step waits for the slow one"
+        figures = results[0]["logged"][-1]
+        assert figures["straggler/slowest_process"] == slow
+        assert figures["straggler/slowdown"] > 1.5
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError):
+        StragglerMonitor(factor=1.0)
