@@ -234,18 +234,7 @@ def main() -> None:
                      "--rounds", str(args.rounds or rounds),
                      "--timed", str(args.timed or timed)]  # fmt: skip
         result = workers.run_workers(__file__, arguments)[0]
-        medians = result["medians"]
-        for name, ratio in result["ratios"].items():
-            if name == "torch":
-                continue
-            base = medians["torch"]
-            same = "equal" if result["weights_equal"][name] else "DIFFERENT"
-            low, high = result["intervals"][name]
-            print(
-                f"{size:6s} {name:10s} step {medians[name] * 1e3:8.3f} ms vs torch "
-                f"{base * 1e3:8.3f} ms  ratio {ratio:.3f}x  (95% interval {low:.3f}-{high:.3f}; "
-                f"{result['cpu_extra_us'][name]:+.0f} us CPU per step; weights {same})"
-            )
+        workers.print_step_ratios(size, result, 6)
         print(f"{size:6s} {result['steps']} paired steps per variant")
 
 

@@ -301,19 +301,8 @@ def main() -> None:
                      "--rounds", str(args.rounds or rounds),
                      "--timed", str(args.timed or timed)]  # fmt: skip
         result = workers.run_workers(__file__, arguments, processes=PP)[0]
-        medians = result["medians"]
         label = f"pp2 {schedule} {size}"
-        for name, ratio in result["ratios"].items():
-            if name == "torch":
-                continue
-            same = "equal" if result["weights_equal"][name] else "DIFFERENT"
-            low, high = result["intervals"][name]
-            print(
-                f"{label:25s} {name:10s} step {medians[name] * 1e3:8.3f} ms vs torch "
-                f"{medians['torch'] * 1e3:8.3f} ms  ratio {ratio:.3f}x  (95% interval "
-                f"{low:.3f}-{high:.3f}; {result['cpu_extra_us'][name]:+.0f} us CPU per step; "
-                f"weights {same})"
-            )
+        workers.print_step_ratios(label, result, 25)
         low, high = result["vs_loss_interval"]
         print(
             f"{label:25s} slipstream vs torch+loss (both hand every process the loss): ratio "

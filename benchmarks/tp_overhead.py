@@ -342,19 +342,8 @@ def main() -> None:
                      "--timed", str(args.timed or timed)]  # fmt: skip
         processes = LAYOUTS[layout][0]
         result = workers.run_workers(__file__, arguments, processes=processes)[0]
-        medians = result["medians"]
         label = f"{layout} {size}"
-        for name, ratio in result["ratios"].items():
-            if name == "torch":
-                continue
-            same = "equal" if result["weights_equal"][name] else "DIFFERENT"
-            low, high = result["intervals"][name]
-            print(
-                f"{label:14s} {name:10s} step {medians[name] * 1e3:8.3f} ms vs torch "
-                f"{medians['torch'] * 1e3:8.3f} ms  ratio {ratio:.3f}x  (95% interval "
-                f"{low:.3f}-{high:.3f}; {result['cpu_extra_us'][name]:+.0f} us CPU per step; "
-                f"weights {same})"
-            )
+        workers.print_step_ratios(label, result, 14)
         print(
             f"{label:14s} {result['steps']} paired steps per variant on {processes} processes; "
             f"gradient norms: slipstream vs hand-written differ by at most "

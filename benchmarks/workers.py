@@ -179,3 +179,20 @@ def paired_statistics(
             for name, values in cpu.items()
         },
     }
+
+
+def print_step_ratios(label: str, result: dict[str, Any], width: int) -> None:
+    """One line per variant of a paired benchmark: its median step against plain torch's, the
+    ratio with its 95% interval, the extra CPU time per step and whether weights matched."""
+    medians = result["medians"]
+    for name, ratio in result["ratios"].items():
+        if name == "torch":
+            continue
+        same = "equal" if result["weights_equal"][name] else "DIFFERENT"
+        low, high = result["intervals"][name]
+        print(
+            f"{label:{width}s} {name:10s} step {medians[name] * 1e3:8.3f} ms vs torch "
+            f"{medians['torch'] * 1e3:8.3f} ms  ratio {ratio:.3f}x  (95% interval "
+            f"{low:.3f}-{high:.3f}; {result['cpu_extra_us'][name]:+.0f} us CPU per step; "
+            f"weights {same})"
+        )

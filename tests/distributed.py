@@ -225,3 +225,46 @@ def s3_server() -> Iterator[dict[str, str]]:
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def run_fault_tolerant_job(
+    script: Path,
+    out: Path,
+    script_args: list[str],
+    *,
+    processes: int,
+    groups: int,
+    launch_args: tuple[str, ...] = (),
+    kill_when: Path | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with ``slipstream launch --fault_tolerance`` (its own lighthouse, each
+    group restarted once); with ``kill_when``, SIGKILL the process whose pid that file
+    holds as soon as it appears (a replica group's worker, mid-training)."""
+    import signal as signals
+
+    command = [
+        sys.executable, "-m", "slipstream.cli", "launch", "--cpu", "-n", str(processes),
+        "--fault_tolerance", "--ft_replica_groups", str(groups), "--ft_heartbeat_timeout", "2",
+        "--max_restarts", "1", *launch_args, str(script), str(out), *script_args,
+    ]  # fmt: skip
+    env = {**os.environ, **device_environment(), "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    ) as job:  # fmt: skip
+        deadline = time.monotonic() + timeout
+        try:
+            while kill_when is not None and job.poll() is None and time.monotonic() < deadline:
+                if kill_when.exists() and kill_when.read_text():
+                    os.kill(int(kill_when.read_text()), signals.SIGKILL)
+                    break
+                time.sleep(0.05)
+            output, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signals.SIGKILL)
+            output, _ = job.communicate()
+            raise AssertionError(
+                f"fault-tolerant job timed out after {timeout} s:\n{output}"
+            ) from None
+    return subprocess.CompletedProcess(command, job.returncode, output, "")

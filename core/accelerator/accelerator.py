@@ -31,6 +31,7 @@ from ..data.active_loaders import ActiveLoaders
 from ..diagnostics.hang import watch_for_hangs
 from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
 from ..optim.scheduler import AcceleratedScheduler
+from ..options.fault_tolerance import FaultToleranceKwargs
 from ..options.kwargs import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -58,12 +59,14 @@ from ..strategies import (
 )
 from ..tracking import GeneralTracker, resolve_log_with
 from ..tracking.api import TrackingMixin
+from . import megatron
 from .assembly import (
     STRATEGY_FOR_TYPE,
     build_dynamo_plugin,
     build_step_state,
     build_strategy,
     warn_about_rng_types,
+    xla_strategy_name,
 )
 from .checkpointing import CheckpointingMixin
 from .preparation import PreparationMixin
@@ -77,6 +80,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from ..data.loader import PreparedDataLoader
+    from ..strategies.megatron_plugin import MegatronLMPlugin
     from .checkpointer import LoadHook, SaveHook
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -116,6 +120,9 @@ class Accelerator(
             ``distributed_type: FSDP`` with an ``fsdp_config`` block in the config file).
         deepspeed_plugin: train with DeepSpeed ZeRO using these options (also chosen by
             ``distributed_type: DEEPSPEED`` with a ``deepspeed_config`` block).
+        megatron_lm_plugin: Accelerate's Megatron-LM options, run on tensor, sequence and
+            pipeline parallelism with FSDP2 (also a ``megatron_lm_config`` block); see
+            docs/megatron.md.
         parallelism_config: arrange the processes in a device mesh with tensor, context and
             (hybrid) sharded data parallelism (also read from a ``parallelism_config`` block);
             see :class:`slipstream.ParallelismConfig`.
@@ -138,6 +145,9 @@ class Accelerator(
             with exit code 86 (see docs/misbehaving.md); default: a little under the process
             group's timeout on several processes, off for one; 0 switches it off. Also
             ``--hang_timeout`` and ``SLIPSTREAM_HANG_TIMEOUT``.
+        fault_tolerance: a :class:`FaultToleranceKwargs`: replica groups drop out and
+            rejoin per step with torchft (also ``slipstream launch --fault_tolerance``); see
+            docs/fault-tolerance.md.
     """
 
     def __init__(
@@ -158,6 +168,7 @@ class Accelerator(
         project_config: ProjectConfiguration | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
+        megatron_lm_plugin: MegatronLMPlugin | None = None,
         log_with: str | GeneralTracker | Sequence[str | GeneralTracker] | None = None,
         callbacks: Sequence[Any] | None = None,
         parallelism_config: ParallelismConfig | None = None,
@@ -166,6 +177,7 @@ class Accelerator(
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         rng_types: Sequence[str] | None = None,
         hang_timeout: float | timedelta | None = None,
+        fault_tolerance: FaultToleranceKwargs | None = None,
     ) -> None:
         warn_about_rng_types(rng_types)
         handlers = {type(h): h for h in kwargs_handlers or ()}
@@ -189,12 +201,20 @@ class Accelerator(
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
 
         self.step_state = build_step_state(
-            gradient_accumulation_steps, gradient_accumulation_plugin, launch
+            gradient_accumulation_steps,
+            gradient_accumulation_plugin,
+            launch,
+            self.state.num_processes,
         )
         autocast = handlers.get(AutocastKwargs, AutocastKwargs())
         scaler = handlers.get(GradScalerKwargs)
         assert isinstance(autocast, AutocastKwargs)
         mode = canonical_mode(mixed_precision or launch.get("mixed_precision") or "no")
+        self.megatron_lm_plugin = megatron.megatron_plugin_for(megatron_lm_plugin, launch)
+        if self.megatron_lm_plugin is not None:
+            parallelism_config = megatron.megatron_layout(
+                self.megatron_lm_plugin, parallelism_config, deepspeed_plugin, self.state, launch
+            )
         self.parallelism_config = self._parallelism_config(parallelism_config, launch)
         strategy_name = self._strategy_name(launch, fsdp_plugin, deepspeed_plugin)
         known = strategy_name in available_strategies()
@@ -228,6 +248,7 @@ class Accelerator(
             split_batches=self.split_batches,
         )
         self.strategy.step_state = self.step_state
+        megatron.configure_strategy(self.strategy, self.megatron_lm_plugin)
         self.state.distributed_type = self.strategy.distributed_type  # what scripts read
         if self.step_state.sync_each_batch and self.strategy.name == "deepspeed":
             raise ValueError(
@@ -239,7 +260,9 @@ class Accelerator(
             self.precision.scaler,
             self.strategy if getattr(self.strategy, "steps_in_backward", False) else None,
         )
-        self.callbacks = CallbackRunner(callbacks or ())
+        if hasattr(self.strategy, "after_optimizer_step"):  # XLA: the step barrier
+            self.coordinator.device_step = self.strategy
+        self.callbacks = CallbackRunner([*(callbacks or ()), *megatron.callbacks(self)])
         self.coordinator.callbacks = self.callbacks
         self.coordinator.hook_owner = self
         self.log_with = resolve_log_with(log_with)
@@ -258,6 +281,13 @@ class Accelerator(
         self._load_hooks: dict[int, LoadHook] = {}
         self._preemption = self._preemption_handler(save_on_preemption, preemption_signals, launch)
         watch_for_hangs(self.state, hang_timeout, launch, self.project_configuration)
+        self.fault_tolerance: Any = None
+        if fault_tolerance is not None or launch.get("fault_tolerance_config"):
+            from ..fault_tolerance import build_fault_tolerance
+
+            self.fault_tolerance = build_fault_tolerance(fault_tolerance, launch, self.state)
+            if self.fault_tolerance is not None:
+                self.fault_tolerance.attach(self)
         note_accelerator(self)
 
     def _preemption_handler(
@@ -309,6 +339,9 @@ class Accelerator(
         if fsdp_plugin is not None and deepspeed_plugin is not None:
             raise ValueError("pass fsdp_plugin or deepspeed_plugin, not both")
         requested = STRATEGY_FOR_TYPE.get(str(launch.get("distributed_type", "")).upper())
+        if self.state.device.type == "xla":  # PJRT_DEVICE or slipstream launch --tpu
+            plugin = fsdp_plugin or deepspeed_plugin or self.parallelism_config
+            return xla_strategy_name(requested, plugin)
         if deepspeed_plugin is not None or (fsdp_plugin is None and requested == "deepspeed"):
             self._check_deepspeed_layout()
             return "deepspeed"

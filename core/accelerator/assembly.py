@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from ..optim.elastic import accumulation_for_world
 from ..optim.step import StepState
 from ..options.kwargs import (
     AutocastKwargs,
@@ -33,8 +34,21 @@ STRATEGY_FOR_TYPE = {
     "FSDP": "fsdp",
     "MULTI_GPU": "ddp",
     "MULTI_CPU": "ddp",
+    "XLA": "xla",
     "NO": None,
 }
+
+
+def xla_strategy_name(requested: str | None, plugin: object) -> str:
+    """The strategy on an XLA device: ``xla`` (data parallelism as Accelerate runs it), or
+    a clear error for FSDP, DeepSpeed and parallel layouts asked for by plugin or config."""
+    from ..strategies.xla import refuse
+
+    if plugin is not None:
+        raise refuse(type(plugin).__name__)
+    if requested not in (None, "xla", "ddp"):
+        raise refuse(requested)
+    return "xla"
 
 
 def warn_about_rng_types(rng_types: Sequence[str] | None) -> None:
@@ -57,13 +71,19 @@ def warn_about_rng_types(rng_types: Sequence[str] | None) -> None:
 
 
 def build_step_state(
-    steps: int | None, plugin: GradientAccumulationPlugin | None, launch: dict[str, Any]
+    steps: int | None,
+    plugin: GradientAccumulationPlugin | None,
+    launch: dict[str, Any],
+    world_size: int = 1,
 ) -> StepState:
-    """Accumulation bookkeeping from ``gradient_accumulation_steps`` or the plugin."""
+    """Accumulation bookkeeping from ``gradient_accumulation_steps`` or the plugin; in an
+    elastic job that keeps its global batch, scaled from the full size to ``world_size``."""
     if plugin is None:
         if steps is None:
             steps = int(launch.get("gradient_accumulation_steps", 1))
-        return StepState(gradient_accumulation_steps=steps)
+        return StepState(
+            gradient_accumulation_steps=accumulation_for_world(steps, launch, world_size)
+        )
     if steps is not None:
         raise ValueError(
             "pass gradient_accumulation_steps or gradient_accumulation_plugin, not both: "
@@ -72,7 +92,7 @@ def build_step_state(
     if plugin.num_steps is None:
         raise ValueError("GradientAccumulationPlugin needs num_steps=N (micro-batches per step)")
     return StepState(
-        gradient_accumulation_steps=plugin.num_steps,
+        gradient_accumulation_steps=accumulation_for_world(plugin.num_steps, launch, world_size),
         sync_with_dataloader=plugin.sync_with_dataloader,
         sync_each_batch=plugin.sync_each_batch,
         average_short_cycles=plugin.average_short_cycles,

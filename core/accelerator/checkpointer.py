@@ -49,6 +49,7 @@ from ..checkpoint.layout import (
 from ..checkpoint.names import indexed_name
 from ..checkpoint.rng import capture_rng_states, restore_rng_states
 from ..checkpoint.storage import Storage
+from ..optim.elastic import resumed_micro_steps
 from ..optim.step import StepState
 from ..options.kwargs import ProjectConfiguration
 from ..runtime import collectives
@@ -318,6 +319,7 @@ class Checkpointer:
                 "optimizer_steps": step.optimizer_steps,
                 "micro_steps": step.micro_steps,
                 "gradient_accumulation_steps": step.gradient_accumulation_steps,
+                "data_parallel_size": self.state.data_parallel_size,
             },
             "files": {str(rank): names for rank, names in enumerate(files)},
         }
@@ -340,7 +342,9 @@ class Checkpointer:
             action()
         step = reader.manifest["step"]
         objects.step_state.optimizer_steps = int(step["optimizer_steps"])
-        objects.step_state.micro_steps = int(step["micro_steps"])
+        objects.step_state.micro_steps = resumed_micro_steps(
+            int(step["micro_steps"]), step.get("data_parallel_size"), self.state.data_parallel_size
+        )
         if rng is not None:
             restore_rng_states(rng)  # last: nothing after this draws random numbers
         return url

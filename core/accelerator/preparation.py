@@ -264,7 +264,17 @@ class PreparationMixin:
         self._check_prepare_arguments([data_loader])
         if self._adopt_prepared(data_loader):
             return cast("PreparedDataLoader", data_loader)
+        from .megatron import micro_batched
+
+        data_loader = micro_batched(data_loader, getattr(self, "megatron_lm_plugin", None))
         placement = self.device_placement if device_placement is None else device_placement
+        controller = getattr(self, "fault_tolerance", None)
+        if controller is not None:  # dealt over the live replica groups, step by step
+            return controller.prepare_loader(
+                data_loader,
+                self.state.device if placement else None,
+                self.dataloader_config.data_seed,
+            )
         if (
             not self.dataloader_config.even_batches
             and self.strategy.forward_is_collective
@@ -317,6 +327,11 @@ class PreparationMixin:
             if opt.optimizer is inner or opt is inner or opt.original is inner
         ]
         steps = 1 if self.dataloader_config.split_batches else self.state.data_parallel_size
+        controller = getattr(self, "fault_tolerance", None)
+        if controller is not None and not self.dataloader_config.split_batches:
+            # Per committed step, whatever the quorum: the job's full data-parallel size, as
+            # the same processes without fault tolerance would step it.
+            steps *= controller.replica_groups
         prepared = AcceleratedScheduler(
             scheduler,
             owners,

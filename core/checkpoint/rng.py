@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from ..runtime import xla
+
 
 def capture_rng_states() -> dict[str, Any]:
-    """Python, NumPy (if installed), torch CPU and CUDA generator states."""
+    """Python, NumPy (if installed), torch CPU, CUDA and XLA generator states."""
     version, internal, gauss = random.getstate()
     states: dict[str, Any] = {
         "python": {"version": version, "state": list(internal), "gauss": gauss},
@@ -38,6 +40,9 @@ def capture_rng_states() -> dict[str, Any]:
         }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
+    xla_state = xla.rng_state()  # only when torch_xla is in use
+    if xla_state is not None:
+        states["xla"] = xla_state
     return states
 
 
@@ -62,3 +67,5 @@ def restore_rng_states(states: dict[str, Any]) -> None:
     if "cuda" in states and torch.cuda.is_available():
         cuda_states = list(states["cuda"])[: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all(cuda_states)
+    if "xla" in states:
+        xla.set_rng_state(states["xla"])

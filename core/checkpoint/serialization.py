@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..runtime import xla
 from .storage import Storage
 
 _ALIASES_KEY = "slipstream_aliases"
@@ -27,7 +28,10 @@ _ALIASES_KEY = "slipstream_aliases"
 def prepare_tensors(
     state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Contiguous CPU tensors with shared storage kept once; returns (tensors, aliases)."""
+    """Contiguous CPU tensors with shared storage kept once; returns (tensors, aliases).
+    XLA tensors are copied to the CPU first (ties among them are not detected)."""
+    if xla.xla_loaded():
+        state = xla.to_cpu(dict(state))
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
@@ -116,7 +120,10 @@ def load_tensors(storage: Storage, path: str) -> dict[str, torch.Tensor]:
 
 
 def save_object(storage: Storage, path: str, obj: Any) -> None:
-    """``torch.save`` an object made of tensors, numbers, strings, lists and dicts."""
+    """``torch.save`` an object made of tensors, numbers, strings, lists and dicts (XLA
+    tensors are written as CPU tensors)."""
+    if xla.xla_loaded():
+        obj = xla.to_cpu(obj)
     if storage.is_local:
         storage.makedirs(storage.parent(path))
         torch.save(obj, path)

@@ -22,7 +22,9 @@ from ..launcher.config import (
     save_config,
     write_basic_config,
 )
+from ..launcher.megatron_config import megatron_notes
 from ..runtime.env import default_config_file
+from .configure_megatron import megatron_questions
 from .text import description
 
 Ask = Callable[[str], str]
@@ -215,7 +217,12 @@ def ask_questions(q: Questionnaire) -> dict[str, Any]:
         values["num_processes"] = per_machine * int(values.get("num_machines", 1))
     # DeepSpeed shards over every process itself, so a layout only makes sense without it.
     several = values.get("num_processes", 1) > 1 and values["distributed_type"] != "DEEPSPEED"
-    if several and q.yes(
+    # Accelerate asks for Megatron-LM when neither DeepSpeed nor FSDP was chosen.
+    plain = values["distributed_type"] in ("MULTI_CPU", "MULTI_GPU")
+    if several and plain and q.yes("Do you want to use Megatron-LM?"):
+        values["distributed_type"] = "MEGATRON_LM"
+        values["megatron_lm_config"] = megatron_questions(q, values["num_processes"])
+    elif several and q.yes(
         "Do you want to use a parallelism config (tensor, context, pipeline or expert "
         "parallelism, or HSDP: TP, CP, PP, EP sizes)?"
     ):
@@ -378,7 +385,7 @@ def _parallelism_questions(q: Questionnaire, num_processes: int) -> dict[str, An
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
         config, notes = load_config(args.file)
-        for note in notes:
+        for note in [*notes, *megatron_notes(config)]:
             print(f"note: {note}")
         layout = config.parallel_layout()
         print(

@@ -47,6 +47,7 @@ def report(config_file: str | None = None) -> str:
                 f"  - cuda:{index}: {properties.name}, {properties.total_memory / 2**30:.1f} GiB"
             )
     lines.append(f"- CPU cores: {__import__('os').cpu_count()}")
+    lines += _xla_lines()
     lines += [f"- {package} version: {_version(package)}" for package in _OPTIONAL]
     path = config_file or str(default_config_file())
     try:
@@ -58,6 +59,19 @@ def report(config_file: str | None = None) -> str:
     except FileNotFoundError:
         lines.append(f"- config file {path}: not found (defaults apply)")
     return "\n".join(lines)
+
+
+def _xla_lines() -> list[str]:
+    """torch_xla (TPUs) and the variables that steer it; torch_xla is not imported."""
+    from ..runtime.xla import runtime_description, wants_xla
+
+    info = runtime_description()
+    lines = [f"- torch_xla version: {info.pop('torch_xla')}"]
+    if "PJRT_DEVICE" in info:
+        used = wants_xla({}, cpu=False)
+        lines.append(f"- XLA runtime: {'used' if used else 'not used'} by default")
+        lines += [f"  - {name}: {value}" for name, value in info.items()]
+    return lines
 
 
 def _layout_lines(path: str) -> list[str]:

@@ -11,6 +11,7 @@ import argparse
 import os
 from typing import Any
 
+from ..launcher import megatron_config as megatron
 from ..launcher.config import (
     MIXED_PRECISION,
     ConfigError,
@@ -19,6 +20,9 @@ from ..launcher.config import (
     load_config,
     read_config_values,
 )
+from ..launcher.elastic import is_elastic, parse_nnodes
+from ..launcher.xla import add_xla_options, check_xla_launch
+from ..options.fault_tolerance import LAUNCH_FLAGS
 from ..runtime.env import default_config_file
 
 # (flag, type, help) per group; top-level flags map to config keys of the same name.
@@ -30,9 +34,17 @@ _TOP_LEVEL: dict[str, list[tuple[str, Any, str]]] = {
         ("main_process_ip", str, "address of machine 0 (multi-machine jobs)"),
         ("main_process_port", int, "port on machine 0 (default: free on one machine, else 29500)"),
         ("rdzv_backend", str, "torchrun rendezvous for several machines: c10d (default) or static"),
+        ("rdzv_conf", str, "torchrun rendezvous options: key=value,... (e.g. last_call_timeout=5)"),
+        ("min_machines", int, "elastic sizes: the fewest machines (num_machines is the most)"),
+        (
+            "elastic_batch",
+            str,
+            "elastic sizes keep the global batch (global: accumulation adjusts; default) or "
+            "each process's batch (per_process)",
+        ),
         ("same_network", str, "true when all machines share a network (informational)"),
         ("gpu_ids", str, "comma-separated GPU ids to use (default all)"),
-        ("distributed_type", str, "NO, MULTI_CPU, MULTI_GPU, FSDP or DEEPSPEED"),
+        ("distributed_type", str, "NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED or XLA"),
         ("compute_environment", str, "LOCAL_MACHINE"),
     ],
     "training": [
@@ -68,6 +80,8 @@ _SWITCHES = {  # store_const flags: flag -> (config key, value)
     "multi_gpu": ("distributed_type", "MULTI_GPU"),
     "use_fsdp": ("distributed_type", "FSDP"),
     "use_deepspeed": ("distributed_type", "DEEPSPEED"),
+    "tpu": ("distributed_type", "XLA"),
+    "use_megatron_lm": ("distributed_type", "MEGATRON_LM"),
     "save_on_preemption": ("save_on_preemption", True),
 }
 # Flags that fill a nested block of the config: block -> [(flag, key in block, type, help)].
@@ -176,12 +190,17 @@ _NESTED: dict[str, list[tuple[str, str, Any, str]]] = {
             ),
         )
     ],
+    # Per-step fault tolerance (torchft): replica groups drop out and rejoin per step.
+    "fault_tolerance_config": list(LAUNCH_FLAGS),
+    "megatron_lm_config": list(megatron.LAUNCH_FLAGS),  # Accelerate's names, key by key
 }
 _GROUP_TITLES = {
     "fsdp_config": "FSDP (fully sharded data parallel, FSDP2)",
     "deepspeed_config": "DeepSpeed",
     "dynamo_config": "torch.compile",
     "parallelism_config": "N-D parallelism (ParallelismConfig: sizes multiply to num_processes)",
+    "fault_tolerance_config": "per-step fault tolerance (torchft replica groups)",
+    "megatron_lm_config": "Megatron-LM (tensor/pipeline parallelism with FSDP2; docs/megatron.md)",
 }
 
 
@@ -215,11 +234,27 @@ def register(subparsers: Any) -> None:
             )
             _option(
                 group,
+                "nnodes",
+                metavar="MIN:MAX",
+                help="torchrun's spelling: machines (2), or a range (1:3) for elastic sizes",
+            )
+            _option(
+                group, "nproc_per_node", type=int, help="processes per machine (torchrun's flag)"
+            )
+            _option(
+                group,
+                "rdzv_endpoint",
+                metavar="HOST:PORT",
+                help="torchrun's spelling of main_process_ip:main_process_port",
+            )
+            _option(
+                group,
                 "multi_gpu",
                 action="store_const",
                 const=True,
                 help="data-parallel training on several GPUs",
             )
+            add_xla_options(group, _option)  # --tpu, --tpu_cluster
         if title == "training":
             _option(
                 group,
@@ -267,8 +302,18 @@ def register(subparsers: Any) -> None:
                 const=True,
                 help="accepted for Accelerate compatibility (the sizes below are used anyway)",
             )
+        if block == "fault_tolerance_config":
+            _option(
+                group,
+                "fault_tolerance",
+                action="store_const",
+                const=True,
+                help="replica groups drop out and rejoin per step (torchft; see the ft_ flags)",
+            )
+        if block == "megatron_lm_config":
+            _option(group, "use_megatron_lm", **megatron.SWITCH)
         # The parallelism flags' own names are long enough without a metavar repeating them.
-        short = block == "parallelism_config"
+        short = block in ("parallelism_config", "megatron_lm_config")
         for flag, _, kind, text in nested:
             shown = {"metavar": "N" if kind is int else "VALUE"} if short else {}
             _option(group, flag, type=kind, help=text, **shown)
@@ -286,7 +331,9 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="run the target as an executable, not with python",
     )
-    parser.add_argument("training_script", help="the script (or module) to run")
+    # Optional here so that a bare `slipstream launch` gets a sentence, not argparse's list of
+    # "required" positionals (the script's arguments never are).
+    parser.add_argument("training_script", nargs="?", help="the script (or module) to run")
     parser.add_argument(
         "training_script_args", nargs=argparse.REMAINDER, help="arguments for the script"
     )
@@ -323,10 +370,13 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
     for flag, (key, value) in _SWITCHES.items():
         if getattr(args, flag):
             values[key] = value
+    values.update(torchrun_style_values(args, values))
     for block, nested in _NESTED.items():
         given = {k: getattr(args, f) for f, k, _, _ in nested if getattr(args, f) is not None}
         if given:
             values[block] = {**(values.get(block) or {}), **given}
+    if getattr(args, "fault_tolerance", None) and not values.get("fault_tolerance_config"):
+        values["fault_tolerance_config"] = {"min_replicas": 1}
     if values.get("fsdp_config") and values.get("distributed_type", "NO") in (
         "NO",
         "MULTI_CPU",
@@ -339,6 +389,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
         "MULTI_GPU",
     ):
         values["distributed_type"] = "DEEPSPEED"
+    check_xla_launch(values, bool(getattr(args, "tpu_cluster", None)))
     if "num_processes" not in values:
         machines = int(values.get("num_machines", 1) or 1)
         values["num_processes"] = machines * _default_processes(bool(values.get("use_cpu")))
@@ -355,12 +406,40 @@ def resolve_config(args: argparse.Namespace) -> tuple[LaunchConfig, list[str]]:
         raise
     _check_strategy_available(config)
     _check_gpus(config)
+    more += megatron.megatron_notes(config)
+    if is_elastic(config) and config.max_restarts == 0:
+        more.append(
+            f"--nnodes {config.min_machines}:{config.num_machines} with max_restarts=0: a lost "
+            "machine stops the job (each loss uses one restart); set --max_restarts"
+        )
     return config, notes + more
+
+
+def torchrun_style_values(args: argparse.Namespace, values: dict[str, Any]) -> dict[str, Any]:
+    """Config keys from torchrun's flags: ``--nnodes [MIN:]MAX`` (min_machines,
+    num_machines), ``--nproc_per_node`` (num_processes = per machine x machines) and
+    ``--rdzv_endpoint HOST:PORT`` (main_process_ip, main_process_port)."""
+    found: dict[str, Any] = {}
+    if getattr(args, "nnodes", None) is not None:
+        low, high = parse_nnodes(args.nnodes)
+        found.update(num_machines=high, min_machines=low if low < high else None)
+    if getattr(args, "nproc_per_node", None) is not None:
+        if args.nproc_per_node < 1:
+            raise ConfigError(f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
+        machines = int(found.get("num_machines", values.get("num_machines", 1)) or 1)
+        found["num_processes"] = args.nproc_per_node * machines
+    endpoint = getattr(args, "rdzv_endpoint", None)
+    if endpoint is not None:
+        host, _, port = str(endpoint).rpartition(":")
+        if not host or not port.isdecimal():
+            raise ConfigError(f"--rdzv_endpoint {endpoint}: give HOST:PORT, e.g. 10.0.0.1:29400")
+        found.update(main_process_ip=host, main_process_port=int(port))
+    return found
 
 
 def _check_gpus(config: LaunchConfig) -> None:
     """More processes per machine than GPUs cannot work on GPUs (one GPU per process)."""
-    if config.use_cpu:
+    if config.use_cpu or config.distributed_type == "XLA":
         return
     import torch
 
@@ -390,6 +469,12 @@ def _check_strategy_available(config: LaunchConfig) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..launcher.launch import LaunchRequest, launch
 
+    if args.training_script is None:
+        raise ConfigError(
+            "name the script to run after the flags, e.g. `slipstream launch "
+            "--num_processes 2 train.py --lr 1e-3` (or `-m package.module`); "
+            "`slipstream launch --help` lists the flags"
+        )
     config, notes = resolve_config(args)
     for note in notes:
         print(f"slipstream launch: note: {note}")

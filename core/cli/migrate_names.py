@@ -6,8 +6,8 @@ keywords a call passes that slipstream's function does not take, ``Accelerator``
 Example::
 
     provider("accelerate.data_loader", "prepare_data_loader")  # 'slipstream.data'
-    name_findings("accelerate.utils", "MegatronLMPlugin", None)
-    # ['`MegatronLMPlugin` (accelerate.utils) is not provided by slipstream: ...']
+    name_findings("accelerate.utils", "MegatronLMDummyScheduler", None)
+    # ['`MegatronLMDummyScheduler` (accelerate.utils) is not provided by slipstream: ...']
 """
 
 from __future__ import annotations

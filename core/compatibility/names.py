@@ -37,12 +37,14 @@ add(
     DIFFERENT,
     "Accelerator",
     "the keywords are Accelerate's except torch_tp_plugin (use parallelism_config="
-    "ParallelismConfig(tp_size=...)), megatron_lm_plugin (Megatron-LM is not supported) and "
-    "deepspeed_plugins (one DeepSpeedPlugin per Accelerator); rng_types is accepted, and "
+    "ParallelismConfig(tp_size=...)) and deepspeed_plugins (one DeepSpeedPlugin per "
+    "Accelerator); megatron_lm_plugin runs on slipstream's tensor, sequence and pipeline "
+    "parallelism with FSDP2 (see MegatronLMPlugin); rng_types is accepted, and "
     "shuffles are kept alike on every process (the script's generator is synchronised each "
     "pass, otherwise a seeded sampler is used), so the global RNGs are not synchronised each "
     "epoch (a warning says so); "
-    "adds even_batches, debug, callbacks, save_on_preemption and preemption_signals; " + _KEYWORDS,
+    "adds even_batches, debug, callbacks, hang_timeout, save_on_preemption and preemption_signals; "
+    + _KEYWORDS,
 )
 add(_BOTH, DIFFERENT, "DataLoaderConfiguration", _KEYWORDS)
 add(
@@ -218,14 +220,29 @@ add_each(
 add(
     UTILS,
     NOT_PROVIDED,
-    """MegatronLMPlugin AbstractTrainStep BertTrainStep GPTTrainStep T5TrainStep MegatronEngine
+    """AbstractTrainStep BertTrainStep GPTTrainStep T5TrainStep MegatronEngine
     MegatronLMDummyDataLoader MegatronLMDummyScheduler MegatronLMOptimizerWrapper
     MegatronLMSchedulerWrapper add_model_config_to_megatron_parser
     avg_losses_across_data_parallel_group megatron_lm_initialize
     megatron_lm_prepare_data_loader megatron_lm_prepare_model_optimizer_scheduler
     megatron_lm_prepare_optimizer megatron_lm_prepare_scheduler""",
-    "Megatron-LM is not supported: use ParallelismConfig (tensor, pipeline, context and "
-    "expert parallelism with FSDP2) for the same layouts",
+    "Megatron-LM's own engine is not used (megatron-core needs CUDA, docs/megatron.md): "
+    "MegatronLMPlugin and megatron_lm_config run your model and loop on slipstream's tensor, "
+    "pipeline, context and expert parallelism with FSDP2",
+)
+add(
+    UTILS,
+    DIFFERENT,
+    "MegatronLMPlugin",
+    "the same options, run without Megatron-LM on slipstream's parallelism with FSDP2: "
+    "tp_degree/pp_degree/context_parallel_size/expert_model_parallel_size are the mesh sizes, "
+    "num_micro_batches the pipeline micro-batches (each prepared batch holds that many "
+    "DataLoader batches, as in Accelerate), sequence_parallelism, recompute_activations "
+    "(checkpointing the model's blocks), use_distributed_optimizer (FSDP2 sharding; else "
+    "replicas), gradient_clipping (before every optimizer step); options for Megatron-LM's "
+    "own models, trainer, scheduler and logging are ignored with one warning, custom "
+    "functions and megatron_dataset_flag are refused; context_parallel_size defaults to 1 "
+    "and MEGATRON_LM_* environment variables are not read",
 )
 add(
     UTILS,
@@ -287,11 +304,19 @@ add(
     "loading and dispatching keep tied weights tied themselves (a tied value is put at every "
     "name it feeds); find_tied_parameters lists them",
 )
-add(
+add_each(
     UTILS,
-    NOT_PROVIDED,
-    "install_xla prepare_tpu",
-    "TPUs (XLA) are not supported: slipstream runs on CPUs and CUDA GPUs",
+    DIFFERENT,
+    {
+        "install_xla": (
+            "installs torch_xla[tpu] matching the installed torch from the package index, "
+            "wherever pip works (Accelerate's installs a Colab wheel, on Colab only)"
+        ),
+        "prepare_tpu": (
+            "debug sets SLIPSTREAM_DEBUG (Accelerate's: ACCELERATE_DEBUG_MODE); slipstream "
+            "launch --tpu does not use it: bf16 on XLA is autocast, without XLA_USE_BF16"
+        ),
+    },
 )
 add(
     UTILS,

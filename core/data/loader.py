@@ -30,6 +30,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from ..runtime.state import ProcessState
 from ..runtime.tree import send_to_device
+from ..runtime.xla import place_batch
 from .active_loaders import ActiveLoaders
 from .iterable import IterableDatasetShard
 from .samplers import SeedableRandomSampler, ShardedBatchSampler
@@ -318,6 +319,8 @@ class PreparedDataLoader(DataLoader[Any]):
     def _place(self, batch: Any) -> Any:
         if self.device is None:
             return batch
+        if self.device.type == "xla":  # the step barrier, then an asynchronous transfer
+            return place_batch(batch, self.device)
         return send_to_device(batch, self.device, self.non_blocking)
 
     def __len__(self) -> int:

@@ -67,7 +67,8 @@ class Account:
         return user_frame(list(self.dump.get("stack") or []))
 
 
-def _ranks(ranks: list[int]) -> str:
+def describe_ranks(ranks: list[int]) -> str:
+    """``[0, 2, 3, 4]`` -> ``"ranks 0, 2-4"``; one rank -> ``"rank 0"``."""
     ranks = sorted(ranks)
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
@@ -84,7 +85,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _verb(ranks: list[int], one: str, many: str) -> str:
-    return f"{_ranks(ranks)} {one if len(ranks) == 1 else many}"
+    return f"{describe_ranks(ranks)} {one if len(ranks) == 1 else many}"
 
 
 def _data(entry: Mapping[str, Any]) -> str:
@@ -165,7 +166,7 @@ def _group_name(dumps: Mapping[int, Mapping[str, Any]], group: str, world: int) 
     members = _group_members(dumps, group, world)
     if group in ("all", "0") or members == list(range(world)):
         return "all processes"
-    return f"group {group} ({_ranks(members)})"
+    return f"group {group} ({describe_ranks(members)})"
 
 
 def _novel(account: Account) -> bool:
@@ -239,12 +240,12 @@ def analyse(
                 other = at_seq[rank]
                 if undecided:
                     text = (
-                        f"{_ranks([rank])} disagrees with the others: it waits in "
+                        f"{describe_ranks([rank])} disagrees with the others: it waits in "
                         f"{other.describe()} of {name} at {_describe_site(accounts[rank])}"
                     )
                 else:
                     text = (
-                        f"{_ranks([rank])} is elsewhere: it waits in {other.describe()} at "
+                        f"{describe_ranks([rank])} is elsewhere: it waits in {other.describe()} at "
                         f"{_describe_site(accounts[rank])}, while "
                         f"{_verb(main_ranks, 'waits', 'wait')} in {what}"
                     )
@@ -256,7 +257,7 @@ def analyse(
             if member.entered.get(group, 0) < seq or rank in waiters:
                 findings.setdefault(
                     rank,
-                    f"{_ranks([rank])} is behind: it has not reached {what}, which "
+                    f"{describe_ranks([rank])} is behind: it has not reached {what}, which "
                     f"{_verb(main_ranks, 'waits', 'wait')} in; {_where(member)}",
                 )
         if not undecided:
@@ -265,7 +266,7 @@ def analyse(
     for rank in missing:
         where = (pids or {}).get(rank)
         findings[rank] = (
-            f"{_ranks([rank])} did not answer: its Python is blocked (a native call that "
+            f"{describe_ranks([rank])} did not answer: its Python is blocked (a native call that "
             "holds the interpreter) or it is gone; "
             + (
                 f"`py-spy dump --pid {where.split(':')[-1]}` on {where.split(':')[0]} shows "
@@ -290,9 +291,9 @@ def _nobody_waits(accounts: Mapping[int, Account], findings: dict[int, str]) -> 
     if len(ordered) > 1 and len(ordered[0][1]) > len(ordered[1][1]):
         for place, ranks in ordered[1:]:
             for rank in ranks:
-                findings.setdefault(rank, f"{_ranks([rank])} is elsewhere: {place}")
+                findings.setdefault(rank, f"{describe_ranks([rank])} is elsewhere: {place}")
         ordered = ordered[:1]
-    return [f"{_ranks(ranks)}: no collective pending; {place}" for place, ranks in ordered]
+    return [f"{describe_ranks(ranks)}: no collective pending; {place}" for place, ranks in ordered]
 
 
 def _stack_lines(dump: Mapping[str, Any]) -> list[str]:

@@ -23,8 +23,9 @@ import yaml
 
 from ..options.errors import ConfigError
 from ..runtime.env import default_config_file
+from .elastic import elastic_settings, validate_elastic
 
-DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP")
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8", "bf16-true", "fp16-true")
 RDZV_BACKENDS = ("static", "c10d")
 
@@ -37,7 +38,6 @@ UNSUPPORTED_KEYS: dict[str, Any] = {
     "tpu_zone": None,
     "commands": None,
     "command_file": None,
-    "megatron_lm_config": {},
     "ipex_config": {},
     "mpirun_config": {},
     "enable_cpu_affinity": False,
@@ -60,6 +60,14 @@ class LaunchConfig:
     main_process_ip: str | None = None
     main_process_port: int | None = None
     rdzv_backend: str = "c10d"
+    #: torchrun's extra rendezvous options, ``key=value,key=value`` (Accelerate's key).
+    rdzv_conf: str = ""
+    #: Elastic sizes: the fewest machines the job runs on (``--nnodes MIN:MAX``; MAX is
+    #: ``num_machines``). ``None``: always ``num_machines``.
+    min_machines: int | None = None
+    #: What an elastic job keeps when its size changes: ``global`` (the global batch of
+    #: ``num_machines`` machines; accumulation adjusts) or ``per_process``.
+    elastic_batch: str = "global"
     same_network: bool = True
     main_training_function: str = "main"
     downcast_bf16: str = "no"
@@ -84,6 +92,13 @@ class LaunchConfig:
     #: Accelerate's ``parallelism_config:`` block (``parallelism_config_tp_size`` ...); empty
     #: means plain data parallelism. See :class:`slipstream.ParallelismConfig`.
     parallelism_config: dict[str, Any] = field(default_factory=dict)
+    #: Accelerate's ``megatron_lm_config:`` block, run on tensor/pipeline parallelism with
+    #: FSDP2 (see docs/megatron.md); an alternative to ``parallelism_config``.
+    megatron_lm_config: dict[str, Any] = field(default_factory=dict)
+    #: Per-step fault tolerance with torchft (``replica_groups``, ``min_replicas``,
+    #: ``lighthouse``, ``heartbeat_timeout`` ...); empty means off. See
+    #: docs/fault-tolerance.md.
+    fault_tolerance_config: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> LaunchConfig:
         """A copy with ``changes`` applied (and validated)."""
@@ -95,10 +110,13 @@ class LaunchConfig:
     def parallel_layout(self) -> str | None:
         """The mesh the ``parallelism_config`` block gives, e.g. ``"dp_shard=2 x tp=2"``
         (``None`` without a block). Call on a validated config."""
+        from ..parallel.config import ParallelismConfig
+        from .megatron_config import megatron_in_use, megatron_layout
+
+        if megatron_in_use(self) and not self.parallelism_config:
+            return megatron_layout(self).resolve(self.num_processes).describe()
         if not self.parallelism_config:
             return None
-        from ..parallel.config import ParallelismConfig
-
         block = ParallelismConfig.from_config(self.parallelism_config)
         return block.resolve(self.num_processes).describe()
 
@@ -118,6 +136,9 @@ class LaunchConfig:
             "deepspeed_config": self.deepspeed_config,
             "fsdp_config": self.fsdp_config,
             "parallelism_config": self.parallelism_config,
+            "megatron_lm_config": self.megatron_lm_config,
+            "elastic": elastic_settings(self),
+            "fault_tolerance_config": self.fault_tolerance_config,
         }
 
 
@@ -172,6 +193,11 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{config.distributed_type!r}{_suggest(distributed, DISTRIBUTED_TYPES)}"
         )
     changes["distributed_type"] = distributed
+    if distributed == "XLA" and config.use_cpu:
+        raise ConfigError(
+            f"{where}: distributed_type: XLA (--tpu) runs on the XLA device and use_cpu (--cpu) "
+            "on the CPU: pass one of them (XLA on the CPU, for tests: --tpu with PJRT_DEVICE=CPU)"
+        )
     from ..precision import canonical_mode
 
     try:
@@ -239,6 +265,7 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{config.gradient_accumulation_steps}"
         )
     _validate_blocks(config, where)
+    validate_elastic(dataclasses.replace(config, **changes), where)
     if config.deepspeed_config and config.fsdp_config:
         raise ConfigError(
             f"{where}: deepspeed_config and fsdp_config are both set; DeepSpeed and FSDP cannot "
@@ -307,6 +334,19 @@ def _validate_blocks(config: LaunchConfig, where: str) -> None:
     _check_keys("dynamo_config", config.dynamo_config, DYNAMO_KEYS, where)
     if config.parallelism_config:
         _validate_parallelism(config, where)
+    from .megatron_config import validate_megatron
+
+    validate_megatron(config, where)
+    if config.fault_tolerance_config:
+        from ..options.fault_tolerance import check_config_block
+
+        check_config_block(config.fault_tolerance_config, f"{where}: fault_tolerance_config")
+        groups = config.fault_tolerance_config.get("replica_groups")
+        if groups and config.num_processes % groups:
+            raise ConfigError(
+                f"{where}: fault_tolerance_config: replica_groups ({groups}) must divide "
+                f"num_processes ({config.num_processes}): every group runs as many processes"
+            )
 
 
 def _validate_parallelism(config: LaunchConfig, where: str) -> None:

@@ -29,6 +29,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from slipstream.diagnostics.hang_report import describe_ranks
+
 #: The key of slipstream's own block in a worker's error file.
 FAILURE_KEY = "slipstream"
 #: Beyond this many other processes, processes with the same outcome share one line.
@@ -152,22 +154,6 @@ def describe_other(outcome: ProcessOutcome, root: ProcessOutcome) -> str:
     return what + (f", then was stopped ({name})" if name else f" (exit code {outcome.exitcode})")
 
 
-def _ranks(ranks: list[int]) -> str:
-    """``[0, 2, 3, 4]`` -> ``"ranks 0, 2-4"``; one rank -> ``"rank 0"``."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    spans: list[str] = []
-    start = previous = ranks[0]
-    for rank in [*ranks[1:], None]:
-        if rank is not None and rank == previous + 1:
-            previous = rank
-            continue
-        spans.append(str(start) if start == previous else f"{start}-{previous}")
-        if rank is not None:
-            start = previous = rank
-    return "ranks " + ", ".join(spans)
-
-
 def failure_summary(failures: Mapping[int, Any], world_size: int | None = None) -> str:
     """What ``slipstream launch`` prints when processes failed: the root cause's traceback
     once, labelled with its rank, then one line per other failed process (processes with the
@@ -208,7 +194,7 @@ def failure_summary(failures: Mapping[int, Any], world_size: int | None = None) 
         grouped: dict[str, list[int]] = {}
         for outcome in others:
             grouped.setdefault(describe_other(outcome, root), []).append(outcome.rank)
-        lines += [f"  {_ranks(ranks)}: {text}" for text, ranks in grouped.items()]
+        lines += [f"  {describe_ranks(ranks)}: {text}" for text, ranks in grouped.items()]
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..runtime.env import REPORT_DIR_VARIABLE, agent_logs_requested, export_for_workers, is_set
 from .config import LaunchConfig
+from .elastic import ELASTIC_AGENT_VARIABLES, elastic_torchrun_flags, is_elastic
 from .failures import exit_code_of, failure_summary, quiet_torchelastic
 from .reports import HangReports
 
@@ -64,7 +65,9 @@ def _torchrun_parts(request: LaunchRequest) -> tuple[list[str], str, list[str]]:
         f"--max_restarts={config.max_restarts}",
         f"--monitor_interval={config.monitor_interval}",
     ]
-    if config.num_machines == 1 and config.main_process_port is None:
+    if is_elastic(config):
+        args = [*args[:1], *args[2:], *elastic_torchrun_flags(config)]
+    elif config.num_machines == 1 and config.main_process_port is None:
         # torchrun picks a free port itself, without a race between choosing and binding.
         args.append("--standalone")
     elif config.num_machines == 1:
@@ -84,7 +87,7 @@ def _torchrun_parts(request: LaunchRequest) -> tuple[list[str], str, list[str]]:
             "--rdzv_backend=c10d",
             f"--rdzv_endpoint={config.main_process_ip}:{port}",
             f"--rdzv_id=slipstream-{port}",
-            f"--rdzv_conf=is_host={is_host}",
+            f"--rdzv_conf={','.join(filter(None, [f'is_host={is_host}', config.rdzv_conf]))}",
         ]
     if request.no_python:
         return [*args, "--no_python"], request.script, list(request.script_args)
@@ -124,6 +127,8 @@ def worker_variables(config: LaunchConfig) -> dict[str, str]:
     per_machine = config.num_processes // config.num_machines
     # How long stopping workers get (after SIGTERM) before torchrun's agent kills them.
     extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(config.termination_grace_period))
+    if is_elastic(config):
+        extra.update(ELASTIC_AGENT_VARIABLES)
     if not is_set("OMP_NUM_THREADS") and per_machine > 1:
         # torchrun would use 1 thread per worker; on CPU share the cores instead.
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // per_machine))
@@ -139,6 +144,19 @@ def launch(request: LaunchRequest) -> int:
     # The workers leave hang reports here; the launcher prints them as they come.
     folder = tempfile.mkdtemp(prefix="slipstream-launch-")
     extra = {**worker_variables(config), REPORT_DIR_VARIABLE: folder}
+    if config.fault_tolerance_config:  # replica groups, each under its own agent
+        from .fault_tolerant import launch_fault_tolerant
+
+        def group_arguments(group: LaunchConfig) -> list[str]:
+            return torchrun_arguments(
+                LaunchRequest(
+                    group, request.script, request.script_args, request.module, request.no_python
+                )
+            )
+
+        code = launch_fault_tolerant(request, extra, group_arguments)
+        shutil.rmtree(folder, ignore_errors=True)
+        return code
     export_for_workers(config.worker_settings(), extra)
     with HangReports(folder) as reports:
         code = _run(request, reports)
@@ -190,6 +208,7 @@ def _run(request: LaunchRequest, reports: HangReports) -> int:
                 file=sys.stderr,
             )
             return REQUEUE_EXIT_CODE
-        print(failure_summary(failure.failures, config.num_processes), file=sys.stderr)
+        world = None if is_elastic(config) else config.num_processes  # it changes
+        print(failure_summary(failure.failures, world), file=sys.stderr)
         return exit_code_of(failure.failures)
     return 0

@@ -141,6 +141,9 @@ class StepCoordinator:
         #: optimizer applies its gradients, and the step counts as skipped, as an fp16
         #: overflow does. Reset when the step closes.
         self.skip_step = False
+        #: A strategy whose device needs work around each optimizer step (XLA: average
+        #: the gradients over the processes before it, the step barrier after it).
+        self.device_step: Any = None
 
     def register(self, optimizer: AcceleratedOptimizer) -> None:
         self.optimizers.append(optimizer)
@@ -156,12 +159,17 @@ class StepCoordinator:
         inner = optimizer.optimizer
         if self.callbacks.callbacks:
             self.notify("on_before_optimizer_step", optimizer)
+        device_step = self.device_step
+        if device_step is not None:
+            device_step.before_optimizer_step(inner)
         if self.engine is not None or self.skip_step:
             result = None
         elif self.scaler is not None:
             result = self.scaler.step(inner, closure) if closure else self.scaler.step(inner)
         else:
             result = inner.step(closure) if closure is not None else inner.step()
+        if device_step is not None:
+            device_step.after_optimizer_step()
         pending = self.pending
         pending.append(optimizer)
         # pending holds each registered optimizer at most once (see above).

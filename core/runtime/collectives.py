@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import xla
 from .debug import collective, verify_collective
 from .state import ProcessState, current_state
 from .tree import map_structure, map_tensors, replace_tensors, tensor_leaves
@@ -47,6 +48,8 @@ def _gather_tensor(tensor: torch.Tensor, state: ProcessState) -> torch.Tensor:
     # The gathered values carry no autograd history (as Accelerate's); gathering a tensor
     # that requires grad would otherwise fail inside the in-place collective.
     tensor = tensor.detach().contiguous()
+    if state.backend == "xla":  # several XLA processes: torch_xla's own all_gather
+        return xla.all_gather(tensor)
     output = torch.empty(
         (state.num_processes * tensor.shape[0], *tensor.shape[1:]),
         dtype=tensor.dtype,
@@ -129,7 +132,10 @@ def gather_object(obj: Any, *, state: ProcessState | None = None) -> list[Any]:
         return list(obj) if isinstance(obj, (list, tuple)) else [obj]
     verify_collective(state, "gather_object", compare_data=False)
     everyone: list[Any] = [None] * state.num_processes
-    dist.all_gather_object(everyone, obj, group=state.group)
+    if state.backend == "xla":
+        everyone = xla.gather_objects("slipstream.gather_object", obj)
+    else:
+        dist.all_gather_object(everyone, obj, group=state.group)
     if isinstance(obj, (list, tuple)):
         return [item for part in everyone for item in part]
     return everyone
@@ -217,7 +223,9 @@ def reduce(
         if tensor.dtype == torch.bool:
             raise TypeError("reduce() of a bool tensor is ambiguous; convert it to int first")
         result = tensor.clone()
-        if world > 1:
+        if world > 1 and state.backend == "xla":
+            result = xla.all_reduce(result, "sum" if reduction == "mean" else reduction)
+        elif world > 1:
             dist.all_reduce(result, op=operations[reduction], group=state.group)
         if reduction == "mean":
             result = result / world
@@ -238,6 +246,8 @@ def broadcast(data: Any, from_process: int = 0, *, state: ProcessState | None = 
     source = state.global_rank(from_process)
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
+        if state.backend == "xla":
+            return xla.broadcast(tensor, from_process)
         dist.broadcast(tensor, src=source, group=state.group)
         return tensor
 
@@ -260,6 +270,10 @@ def broadcast_object_list(
         length=len(objects),
         from_process=from_process,
     )
+    if state.backend == "xla":
+        mine = list(objects) if state.process_index == from_process else None
+        objects[:] = xla.gather_objects("slipstream.broadcast_object_list", mine)[from_process]
+        return objects
     dist.broadcast_object_list(objects, src=state.global_rank(from_process), group=state.group)
     return objects
 

@@ -271,6 +271,25 @@ def connect_gloo_lazily() -> None:
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
 
 
+#: torch_xla's runtime choice (``TPU``, ``CPU``, ``CUDA``); set, it also asks slipstream to
+#: run on the XLA device when torch_xla is installed.
+PJRT_DEVICE_VARIABLE = "PJRT_DEVICE"
+
+
+def pjrt_device(environ: Mapping[str, str] | None = None) -> str | None:
+    """:data:`PJRT_DEVICE` (upper-cased), if set."""
+    env = os.environ if environ is None else environ
+    value = env.get(PJRT_DEVICE_VARIABLE, "").strip()
+    return value.upper() or None
+
+
+def xla_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that steer torch_xla's runtime (for ``slipstream env``)."""
+    env = os.environ if environ is None else environ
+    names = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "TPU_VISIBLE_CHIPS", "XLA_FLAGS", "XLA_USE_BF16")
+    return {name: env[name] for name in names if env.get(name)}
+
+
 def slurm_job_id() -> str | None:
     """The SLURM job this process belongs to, if any (for requeueing it)."""
     return os.environ.get("SLURM_JOB_ID") or None
@@ -414,3 +433,30 @@ def agent_logs_requested(environ: Mapping[str, str] | None = None) -> bool:
 def log_level_from_environment() -> str | None:
     """``SLIPSTREAM_LOG_LEVEL`` (or Accelerate's ``ACCELERATE_LOG_LEVEL``), if set."""
     return os.environ.get("SLIPSTREAM_LOG_LEVEL") or os.environ.get("ACCELERATE_LOG_LEVEL") or None
+
+
+#: Per-step fault tolerance: the replica group a process belongs to and the torchft
+#: lighthouse, set for each group by ``slipstream launch --fault_tolerance``.
+FT_REPLICA_ID_VARIABLE = "SLIPSTREAM_FT_REPLICA_ID"
+FT_LIGHTHOUSE_VARIABLE = "SLIPSTREAM_FT_LIGHTHOUSE"
+#: A file the launcher creates once a replica group has finished the training: a group
+#: restarted after that finds no one to recover from and stops instead of starting over.
+FT_FINISHED_VARIABLE = "SLIPSTREAM_FT_FINISHED"
+
+
+def fault_tolerance_environment() -> dict[str, str | None]:
+    """The launcher's replica group name, lighthouse address (torchft's own
+    ``TORCHFT_LIGHTHOUSE`` too) and job-finished mark; ``None`` where unset."""
+    return {
+        "replica_id": os.environ.get(FT_REPLICA_ID_VARIABLE) or None,
+        "lighthouse": os.environ.get(FT_LIGHTHOUSE_VARIABLE)
+        or os.environ.get("TORCHFT_LIGHTHOUSE")
+        or None,
+        "finished_file": os.environ.get(FT_FINISHED_VARIABLE) or None,
+    }
+
+
+def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment plus ``extra``, for a child process started with its own
+    variables (a replica group of a fault-tolerant launch)."""
+    return {**os.environ, **extra}

@@ -12,11 +12,12 @@ import random as _random
 
 import torch
 
+from . import xla
 from .state import current_state
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
-    """Seed Python's ``random``, NumPy (if installed) and torch (CPU and all GPUs).
+    """Seed Python's ``random``, NumPy (if installed) and torch (CPU, GPUs, XLA device).
 
     ``device_specific`` adds the process index so each process draws differently;
     ``deterministic`` also asks torch for deterministic algorithms.
@@ -31,5 +32,6 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     else:
         np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
+    xla.set_rng_state(seed)  # the XLA generator, when torch_xla is in use
     if deterministic:
         torch.use_deterministic_algorithms(True)

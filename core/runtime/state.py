@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .env import LaunchEnvironment, enable_flight_recorder, read_launch_environment
 from .errors import guarded
 from .flight import PROGRESS, is_timeout, report_timeout
+from .xla import process_layout, rendezvous, wants_xla
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 class DistributedType(str, enum.Enum):
     """How work is spread over processes (Accelerate's names, all of them, so scripts that
     compare against ``XLA`` or ``MULTI_NPU`` run; slipstream reports NO, MULTI_CPU,
-    MULTI_GPU, FSDP and DEEPSPEED)."""
+    MULTI_GPU, FSDP, DEEPSPEED and XLA)."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
@@ -164,6 +165,9 @@ class ProcessState:
             cpu = bool(launch.launch_config.get("use_cpu", False))
         if debug is None:
             debug = launch.debug
+        if wants_xla(launch.launch_config, bool(cpu)):  # torch_xla's PJRT places processes
+            place = process_layout(launch.world_size, launch.local_rank, launch.local_world_size)
+            return cls(**place, debug=bool(debug), launch=launch, timeout=timeout)
         rank, world = launch.rank, launch.world_size
         local_rank, local_world = launch.local_rank, launch.local_world_size
         owns = False
@@ -197,7 +201,9 @@ class ProcessState:
                 "backend": backend,
                 "timeout": timeout or DEFAULT_TIMEOUT,
             }
-            if launch.restart_count and init_method is None:
+            # Only the agent's store outlives an attempt (a worker's dies with it). Agents
+            # count restarts each for itself: in an elastic job they differ between machines.
+            if launch.restart_count and launch.agent_store and init_method is None:
                 init_kwargs.update(
                     store=_attempt_store(launch, timeout), rank=rank, world_size=world
                 )
@@ -251,7 +257,9 @@ class ProcessState:
 
     @property
     def device_distributed_type(self) -> DistributedType:
-        """The data-parallel type the devices imply: NO, MULTI_CPU or MULTI_GPU."""
+        """The data-parallel type the devices imply: NO, MULTI_CPU, MULTI_GPU or XLA."""
+        if self.device.type == "xla":
+            return DistributedType.XLA
         if self.num_processes == 1:
             return DistributedType.NO
         return (
@@ -331,7 +339,9 @@ class ProcessState:
     # -- synchronisation ------------------------------------------------------------------
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this point."""
-        if self.num_processes > 1:
+        if self.device.type == "xla":
+            rendezvous("slipstream.wait_for_everyone")  # xm.rendezvous
+        elif self.num_processes > 1:
             group = tuple(self.global_ranks) if self.global_ranks is not None else None
             with guarded("wait_for_everyone", self.process_index, None, group):
                 if self.backend == "nccl":

@@ -17,6 +17,7 @@ from .base import Strategy
 from .ddp import DDPStrategy
 from .deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
 from .fsdp_plugin import FullyShardedDataParallelPlugin
+from .megatron_plugin import MegatronLMPlugin
 from .single import SingleDeviceStrategy
 
 _REGISTRY: dict[str, type[Strategy] | str] = {
@@ -25,6 +26,7 @@ _REGISTRY: dict[str, type[Strategy] | str] = {
     "fsdp": "slipstream.strategies.fsdp:FSDPStrategy",
     "deepspeed": "slipstream.strategies.deepspeed:DeepSpeedStrategy",
     "model_parallel": "slipstream.strategies.model_parallel:ModelParallelStrategy",
+    "xla": "slipstream.strategies.xla:XlaStrategy",
 }
 
 
@@ -58,6 +60,7 @@ __all__ = [
     "DummyOptim",
     "DummyScheduler",
     "FullyShardedDataParallelPlugin",
+    "MegatronLMPlugin",
     "SingleDeviceStrategy",
     "Strategy",
     "available_strategies",

@@ -48,7 +48,9 @@ SHARDING_STRATEGIES = {
 _SHARDED_ANYWAY = {
     "NO_SHARD": "for replicated parameters use DDP (no fsdp_plugin)",
     "HYBRID_SHARD": "for sharding within groups replicated across them use "
-    "ParallelismConfig(dp_replicate_size=..., dp_shard_size=...)",
+    "ParallelismConfig(dp_replicate_size=..., dp_shard_size=...), or in a config file "
+    "parallelism_config_dp_replicate_size / parallelism_config_dp_shard_size (the same "
+    "flags on slipstream launch)",
 }
 _SHARDED_ANYWAY["HYBRID_SHARD_ZERO2"] = _SHARDED_ANYWAY["HYBRID_SHARD"]
 # FSDP1 options that FSDP2 handles by itself; accepted from old config files and ignored.

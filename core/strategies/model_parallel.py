@@ -228,6 +228,8 @@ class ModelParallelStrategy(FSDPStrategy):
             model = model.to(self.state.device)
         sync_module_states(model, self.state, self._sync_group())
         self._before_sharding(model)
+        if self.plugin.activation_checkpointing:  # the blocks FSDP would have made units
+            self._checkpoint_layers(model, self._wrap_targets(model))
         return model
 
     def _swap_parameters(

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..runtime import xla
 from ..runtime.synchronize import process_state
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ def save(
     state = process_state()
     if not (state.is_local_main_process if save_on_each_node else state.is_main_process):
         return
+    if xla.xla_loaded():  # XLA tensors are written as CPU tensors (as xm.save does)
+        obj = xla.to_cpu(obj)
     if safe_serialization:
         from safetensors.torch import save_file
 

@@ -264,3 +264,14 @@ def test_big_model_inference_example_on_two_processes(tmp_path: Path):
         "llama", "llama-offload-0", "llama-offload-1",
     ]  # fmt: skip
     assert [p.name for p in (tmp_path / "llama-offload-0").iterdir()] == ["index.json"]
+
+
+def test_fault_tolerant_example_learns_over_two_replica_groups():
+    pytest.importorskip("torchft")
+    result = run_cli(
+        "launch", "--cpu", "-n", "2", "--fault_tolerance",
+        example("fault_tolerant.py"), "--quick",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_learns(result.stdout)
+    assert "60 steps applied, 0 discarded" in result.stdout

@@ -40,7 +40,9 @@ class Samples(Dataset):
 
 
 def _job(slow: int | None, delay: float) -> dict:
-    monitor = StragglerMonitor(log_every_n_steps=4, factor=1.5)
+    # A wide margin (the slowed process is ~15x the others; the verdict needs 3x) so that a
+    # loaded 2-core machine's scheduling jitter is never taken for a straggler.
+    monitor = StragglerMonitor(log_every_n_steps=4, factor=3.0)
     recorder = Recorder()
     accelerator = Accelerator(callbacks=[monitor, recorder])
     torch.manual_seed(0)
@@ -62,17 +64,17 @@ def _job(slow: int | None, delay: float) -> dict:
 
 @pytest.mark.parametrize("slow", [2, None])
 def test_the_slowed_process_of_four_is_named(slow, capfd):
-    results = run_distributed(_job, slow, 0.05, world_size=4)
+    results = run_distributed(_job, slow, 0.1, world_size=4)
     for result in results:  # every process reaches the same verdict
         assert result["named"] == [[slow] if slow is not None else []] * 3, result
         assert len(result["logged"]) == 3
     if slow is not None:
         table = results[0]["table"]
-        assert table[slow][1] > 0.04, "the waiting shows as data time"
-        assert all(row[0] > 0.04 for row in table), "everyone's step waits for the slow one"
+        assert table[slow][1] > 0.08, "the waiting shows as data time"
+        assert all(row[0] > 0.08 for row in table), "everyone's step waits for the slow one"
         figures = results[0]["logged"][-1]
         assert figures["straggler/slowest_process"] == slow
-        assert figures["straggler/slowdown"] > 1.5
+        assert figures["straggler/slowdown"] > 3.0
 
 
 def test_arguments_are_checked():

@@ -87,6 +87,7 @@ def test_questionnaire_asks_again_after_bad_answers(tmp_path):
             "no",
             "no",
             "4",
+            "no",  # Megatron-LM
             "no",  # parallelism config
             "fp17",
             "fp16",
@@ -180,7 +181,7 @@ def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
 def test_questionnaire_asks_the_context_parallel_exchange(tmp_path):
     target = tmp_path / "cp.yaml"
     lines = [
-        *("", "multi-GPU", "1", "no", "no", "no", "2", "y", "", "1", "", "2", ""),
+        *("", "multi-GPU", "1", "no", "no", "no", "2", "no", "y", "", "1", "", "2", ""),
         *("2", "alltoall", "bf16"),  # ep_size, the exchange, precision
     ]
     result = answer(target, lines)
@@ -241,7 +242,7 @@ def test_piped_answers_read_like_a_terminal_session(tmp_path):
     """Answers from a pipe are not echoed by a terminal: the questionnaire prints each after
     its prompt, so every question is on a line of its own."""
     target = tmp_path / "piped.yaml"
-    answers = ["", "multi-CPU", "1", "no", "no", "no", "4", "yes"]
+    answers = ["", "multi-CPU", "1", "no", "no", "no", "4", "no", "yes"]  # no Megatron-LM
     sizes = ["", "", "", "", "2", "2", "gpipe", ""]  # pp_size 2, ep_size 2, schedule, precision
     result = answer(target, answers + sizes)
     assert result.returncode == 0, result.stderr

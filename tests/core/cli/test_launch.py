@@ -317,6 +317,19 @@ def test_a_mistyped_flag_is_answered_with_the_nearest_one(
         assert len(error.strip().splitlines()) == 2, "a short usage, not all 60 launch flags"
 
 
+@pytest.mark.parametrize("arguments", [["launch"], ["launch", "--cpu", "-n", "2"]])
+def test_a_launch_without_a_script_says_where_the_script_goes(
+    arguments: list[str], capsys: pytest.CaptureFixture[str]
+):
+    from slipstream.cli import main
+
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1, error
+    assert "slipstream launch: error: name the script to run after the flags" in error
+    assert "training_script_args" not in error
+
+
 def test_flags_after_the_script_belong_to_the_script(tmp_path: Path):
     script = tmp_path / "echo.py"
     script.write_text("import sys\nprint(sys.argv[1:])\n")

@@ -22,7 +22,7 @@ import accelerate  # the package itself
 from accelerate import Accelerator   # odd spacing stays
 from accelerate.utils import (
     set_seed,  # a comment inside the import
-    MegatronLMPlugin,
+    MegatronLMDummyScheduler,
 )
 from accelerate.logging import get_logger
 from accelerate.state import PartialState
@@ -41,7 +41,7 @@ from slipstream.utils import (
     set_seed,  # a comment inside the import
 )
 from accelerate.utils import (
-    MegatronLMPlugin,
+    MegatronLMDummyScheduler,
 )
 from slipstream.logging import get_logger
 from slipstream import PartialState
@@ -59,7 +59,7 @@ def test_python_imports_are_rewritten_keeping_the_formatting():
     messages = [str(f) for f in findings]
     assert any(
         m.startswith("train.py:4:")
-        and "`MegatronLMPlugin` (accelerate.utils) is not provided" in m
+        and "`MegatronLMDummyScheduler` (accelerate.utils) is not provided" in m
         and m.endswith("kept on accelerate")
         for m in messages
     )
@@ -78,13 +78,13 @@ def test_python_imports_are_rewritten_keeping_the_formatting():
 
 SPLIT = """\
 from accelerate.utils import (
-    MegatronLMPlugin,  # m
+    MegatronLMDummyScheduler,  # m
     set_seed,  # s
     gather
 )
-from accelerate.utils import (set_seed, MegatronLMPlugin)
-from accelerate.utils import set_seed, MegatronLMPlugin, gather as g  # tail
-from accelerate.utils.operations import MegatronLMPlugin, not_a_name; import os
+from accelerate.utils import (set_seed, MegatronLMDummyScheduler)
+from accelerate.utils import set_seed, MegatronLMDummyScheduler, gather as g  # tail
+from accelerate.utils.operations import MegatronLMDummyScheduler, not_a_name; import os
 if True:
     from accelerate.data_loader import prepare_data_loader, not_in_slipstream
 """
@@ -95,13 +95,13 @@ from slipstream.utils import (
     gather
 )
 from accelerate.utils import (
-    MegatronLMPlugin,  # m
+    MegatronLMDummyScheduler,  # m
 )
 from slipstream.utils import (set_seed)
-from accelerate.utils import (MegatronLMPlugin)
+from accelerate.utils import (MegatronLMDummyScheduler)
 from slipstream.utils import set_seed, gather as g  # tail
-from accelerate.utils import MegatronLMPlugin
-from accelerate.utils.operations import MegatronLMPlugin, not_a_name; import os
+from accelerate.utils import MegatronLMDummyScheduler
+from accelerate.utils.operations import MegatronLMDummyScheduler, not_a_name; import os
 if True:
     from slipstream.data import prepare_data_loader
     from accelerate.data_loader import not_in_slipstream
@@ -116,8 +116,8 @@ def test_an_import_is_split_when_slipstream_lacks_some_of_its_names():
         (f.line, f.message.split("`")[1]) for f in findings if "kept on accelerate" in f.message
     }
     assert kept == {
-        (1, "MegatronLMPlugin"), (6, "MegatronLMPlugin"), (7, "MegatronLMPlugin"),
-        (8, "MegatronLMPlugin"), (8, "not_a_name"), (10, "not_in_slipstream"),
+        (1, "MegatronLMDummyScheduler"), (6, "MegatronLMDummyScheduler"), (7, "MegatronLMDummyScheduler"),
+        (8, "MegatronLMDummyScheduler"), (8, "not_a_name"), (10, "not_in_slipstream"),
     }  # fmt: skip
     messages = {f.message for f in findings}
     # A name without a row is told, not passed over: kept or used unchecked.
@@ -143,7 +143,7 @@ def test_each_accelerate_module_goes_where_slipstream_provides_its_names():
     assert migrate.provider("accelerate.data_loader", "prepare_data_loader") == "slipstream.data"
     assert migrate.provider("accelerate.state", "PartialState") == "slipstream"
     assert migrate.provider("accelerate.logging", "get_logger") == "slipstream.logging"
-    assert migrate.provider("accelerate.utils", "MegatronLMPlugin") is None
+    assert migrate.provider("accelerate.utils", "MegatronLMDummyScheduler") is None
     assert migrate.provider("accelerate.commands.nothing", "merge_command") is None
     # Decided by importing: whatever a module answers is really there.
     for module, name in [
@@ -161,7 +161,7 @@ import accelerate
 from accelerate import Accelerator, notebook_launcher
 from accelerate.utils import gather
 
-accelerator = Accelerator(cpu=True, megatron_lm_plugin=None)
+accelerator = Accelerator(cpu=True, deepspeed_plugins=None)
 notebook_launcher(print, (), 2, use_port="29501", no_such_keyword=1)
 gather(x, not_a_keyword=True)
 other = accelerate.Accelerator(torch_tp_plugin=None)
@@ -175,8 +175,8 @@ accelerate.prepare_pippy(model)
 def test_keywords_and_members_slipstream_lacks_are_reported():
     after, findings = rewrite_python(CALLS, "calls.py")
     found = [(f.line, f.message) for f in findings]
-    assert (5, "`Accelerator(..., megatron_lm_plugin=...)`: slipstream's takes no "
-            "`megatron_lm_plugin`") in found  # fmt: skip
+    assert (5, "`Accelerator(..., deepspeed_plugins=...)`: slipstream's takes no "
+            "`deepspeed_plugins`") in found  # fmt: skip
     assert (6, "`notebook_launcher(..., no_such_keyword=...)`: slipstream's takes no "
             "`no_such_keyword`") in found  # fmt: skip
     assert (7, "`gather(..., not_a_keyword=...)`: slipstream's takes no `not_a_keyword`") in found
@@ -231,7 +231,10 @@ def test_check_changes_nothing_and_fails_when_something_would_change(tmp_path: P
     assert (
         "would rewrite" in result.stdout and "+from slipstream import Accelerator" in result.stdout
     )
-    assert "src/train.py:4: `MegatronLMPlugin` (accelerate.utils) is not provided" in result.stdout
+    assert (
+        "src/train.py:4: `MegatronLMDummyScheduler` (accelerate.utils) is not provided"
+        in result.stdout
+    )
     assert (project / "src" / "train.py").read_text() == SCRIPT, "--check writes nothing"
 
 
@@ -313,3 +316,49 @@ def test_accelerates_test_scripts_import_cleanly_after_migrating(tmp_path: Path)
     # The rewritten imports, all run in a fresh interpreter.
     imported = run_python("-c", "\n".join(statements))
     assert imported.returncode == 0, imported.stderr[-3000:]
+
+
+MEGATRON_SCRIPT = """\
+from accelerate import Accelerator
+from accelerate.utils import MegatronLMPlugin, MegatronLMDummyScheduler
+
+plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=2, gradient_clipping=1.0)
+accelerator = Accelerator(megatron_lm_plugin=plugin)
+"""
+MEGATRON_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MEGATRON_LM
+megatron_lm_config:
+  megatron_lm_gradient_clipping: 1.0
+  megatron_lm_num_micro_batches: 2
+  megatron_lm_pp_degree: 2
+  megatron_lm_recompute_activations: true
+  megatron_lm_sequence_parallelism: false
+  megatron_lm_tp_degree: 2
+  megatron_lm_use_distributed_optimizer: true
+num_processes: 4
+use_cpu: true
+"""
+
+
+def test_a_megatron_project_moves_its_plugin_and_keeps_its_config_block(tmp_path: Path):
+    from slipstream.launcher.config import load_config
+
+    after, findings = rewrite_python(MEGATRON_SCRIPT, "train.py")
+    assert after.splitlines()[:3] == [
+        "from slipstream import Accelerator",
+        "from slipstream.utils import MegatronLMPlugin",
+        "from accelerate.utils import MegatronLMDummyScheduler",
+    ]
+    messages = [str(f) for f in findings]
+    assert any(
+        "`MegatronLMPlugin` (accelerate.utils) is provided differently" in m for m in messages
+    )
+    assert not any("takes no `megatron_lm_plugin`" in m for m in messages), "the keyword is taken"
+    # The config block is read as Accelerate wrote it: migrate leaves it, launch runs it.
+    config_file = tmp_path / "accelerate_cfg.yaml"
+    config_file.write_text(MEGATRON_CONFIG)
+    result = run_cli("migrate", str(tmp_path), "--check")
+    assert result.returncode == 0 and "0 file(s) would change" in result.stdout, result.stdout
+    config, notes = load_config(config_file)
+    assert config.parallel_layout() == "pp=2 x tp=2" and notes == []

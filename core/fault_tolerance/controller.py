@@ -1,0 +1,472 @@
+"""The fault-tolerance controller of one Accelerator: a torchft ``Manager`` for this
+process's replica group and the step it drives.
+
+A step here is one optimizer step of the whole job:
+
+1. it opens (``begin_step``) when the first of these happens: a fault-tolerant loader
+   hands out a batch, ``optimizer.zero_grad()``, ``accelerator.backward()``. The quorum
+   of live replica groups is known then; a group that is behind (restarted) copies the
+   state of a healthy peer before its forward pass. The quorum of a step is asked for in
+   the background as soon as the previous step's vote is in (it overlaps that step's
+   optimizer step and whatever the script does until the next batch); only the first
+   step's is asked for here;
+2. the gradients are averaged over the quorum through the groups' process group, in
+   buckets, started during backward where a group is one process (gradients.py; not
+   torchft's DDP wrapper, whose comm hook crashes the survivor when a peer dies during the
+   all-reduce);
+3. before the optimizer steps, every group votes; the step is applied only if every
+   group of the quorum got through it, else it is discarded everywhere (the optimizers,
+   schedulers and step counters do not move, and the data position goes back).
+
+A healthy peer hands a rejoining group its state as it is when the peer's next step opens
+(torchft's state-dict lock is held from the vote until then), so a background quorum never
+copies a half-applied optimizer step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import socket
+import threading
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from ..callbacks.base import Callback
+from ..optim.step import StepState
+from ..options.errors import ConfigError
+from ..options.fault_tolerance import FaultToleranceKwargs
+from ..runtime.env import fault_tolerance_environment
+from ..runtime.state import ProcessState
+from . import recovery
+from .gradients import GradientAverager
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from ..optim.optimizer import AcceleratedOptimizer
+    from ..optim.scheduler import AcceleratedScheduler
+    from .data import FaultTolerantDataLoader
+
+
+def import_torchft() -> Any:
+    """torchft, or an error saying how to install it."""
+    try:
+        import torchft
+    except ImportError as error:
+        raise ImportError(
+            "fault_tolerance=FaultToleranceKwargs(...) needs torchft: "
+            "pip install 'slipstream[fault-tolerance]' (or pip install torchft>=0.2)"
+        ) from error
+    return torchft
+
+
+def build_fault_tolerance(
+    options: FaultToleranceKwargs | None, launch: dict[str, Any], state: ProcessState
+) -> FaultTolerance | None:
+    """The controller for ``options`` (else the launcher's ``fault_tolerance_config``), or
+    ``None`` when fault tolerance is off."""
+    block = launch.get("fault_tolerance_config") or {}
+    if options is None and block:
+        options = FaultToleranceKwargs.from_config(dict(block))
+    if options is None or not options.enabled:
+        return None
+    environment = fault_tolerance_environment()
+    lighthouse = options.lighthouse or environment["lighthouse"]
+    replica_id = options.replica_id or environment["replica_id"]
+    if not lighthouse:
+        raise ConfigError(
+            "fault tolerance needs a torchft lighthouse: pass FaultToleranceKwargs("
+            "lighthouse='http://HOST:PORT'), or start the job with `slipstream launch "
+            "--fault_tolerance` (which starts one and sets SLIPSTREAM_FT_LIGHTHOUSE)"
+        )
+    if not replica_id:
+        raise ConfigError(
+            "fault tolerance needs this replica group's name: pass FaultToleranceKwargs("
+            "replica_id='replica_0') (a different index per group), or start the job with "
+            "`slipstream launch --fault_tolerance`, which sets SLIPSTREAM_FT_REPLICA_ID"
+        )
+    if not replica_id[-1:].isdigit():
+        raise ConfigError(
+            f"FaultToleranceKwargs(replica_id={replica_id!r}): the name must end in the "
+            "group's index (e.g. 'replica_0', 'replica_1'); torchft ranks groups by it"
+        )
+    groups = options.replica_groups or int(block.get("replica_groups") or 1)
+    return FaultTolerance(
+        options,
+        state,
+        lighthouse=lighthouse,
+        replica_id=replica_id,
+        groups=groups,
+        finished_file=environment["finished_file"],
+    )
+
+
+def _quiet_torchft() -> None:
+    """Drop torchft's notes that say nothing on CPU: it cannot reset NCCL's flight recorder
+    (logged at every new quorum) and torch's warning about reading a recovered state from a
+    read-only buffer. Only those exact messages."""
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
+        manager_log.addFilter(_NoFlightRecorderNote())
+    warnings.filterwarnings(
+        "ignore",
+        message="The given buffer is not writable",
+        category=UserWarning,
+        module=r"torch\.distributed\._serialization",
+    )
+
+
+class _NoFlightRecorderNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+class FaultTolerance:
+    """One replica group's membership in a fault-tolerant job (see the module docstring)."""
+
+    def __init__(
+        self,
+        options: FaultToleranceKwargs,
+        state: ProcessState,
+        *,
+        lighthouse: str,
+        replica_id: str,
+        groups: int,
+        finished_file: str | None = None,
+    ) -> None:
+        self.options = options
+        self.state = state
+        self.lighthouse = lighthouse
+        self.replica_id = replica_id
+        self.replica_groups = groups
+        self.models: list[nn.Module] = []
+        self.optimizers: list[AcceleratedOptimizer] = []
+        self.schedulers: list[AcceleratedScheduler] = []
+        self.loaders: list[FaultTolerantDataLoader] = []
+        self.step_state: StepState | None = None
+        self._custom_objects: list[Any] = []
+        self.step_open = False
+        self._commit: bool | None = None
+        #: The launcher's mark that a replica group finished the training.
+        self.finished_file = finished_file
+        self._first_quorum = True
+        #: Steps applied and discarded by this group; recoveries from a peer.
+        self.steps_committed = 0
+        self.steps_discarded = 0
+        self.recoveries = 0
+        #: Seconds the last step waited for its quorum (a survivor waits here for a dead
+        #: peer to time out).
+        self.last_quorum_seconds = 0.0
+        #: A peer's state received by the last quorum, loaded when the step opens.
+        self._received: dict[str, Any] | None = None
+        #: Whether the next step's quorum was asked for in the background.
+        self._quorum_asked = False
+        self.manager = self._build_manager()
+        self._quorum_thread = _QuorumThread(self.manager)
+        self.gradients = GradientAverager(
+            self.manager, self._pg, overlap=self.state.num_processes == 1
+        )
+
+    # -- the torchft manager ----------------------------------------------------------------
+    def _build_manager(self) -> Any:
+        import_torchft()
+        from torch.distributed import TCPStore
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        timeout = timedelta(seconds=self.options.timeout)
+        host = urlparse(self.lighthouse).hostname or ""
+        local = host in ("127.0.0.1", "localhost", "::1")
+        advertised = "127.0.0.1" if local else socket.gethostname()
+        # The group's own store (the manager's rendezvous with its group), hosted by the
+        # group's first process; a restarted group gets a fresh one.
+        port = 0
+        self._store: Any = None
+        self._pg: Any = None
+        if self.state.process_index == 0:
+            self._store = TCPStore(advertised, 0, is_master=True, wait_for_workers=False)
+            port = int(self._store.port)
+        if self.state.num_processes > 1:
+            import torch.distributed as dist
+
+            shared = [advertised, port]
+            dist.broadcast_object_list(shared, src=0)
+            advertised, port = str(shared[0]), int(str(shared[1]))
+        self._pg = ProcessGroupGloo(timeout=timeout)
+        manager = Manager(
+            pg=self._pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=self.options.min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.options.quorum_timeout),
+            connect_timeout=timeout,
+            rank=self.state.process_index,
+            world_size=self.state.num_processes,
+            store_addr=advertised,
+            store_port=port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=self.replica_id,
+            hostname=advertised,
+        )
+        manager.register_state_dict_fn("slipstream", self._receive_state, self._state)
+        _quiet_torchft()
+        atexit.register(self.shutdown)
+        return manager
+
+    def shutdown(self) -> None:
+        """Leave the job: stop the manager's servers (also at interpreter exit)."""
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.allow_state_dict_read()  # a peer may be copying our state
+            if self._quorum_asked:
+                # Let the quorum asked for in the background finish (the other groups asked
+                # for it too): a manager stopped under it leaves it to time out.
+                self._quorum_asked = False
+                self._quorum_thread.wait(self.options.timeout, quiet=True)
+            manager.shutdown(wait=False)
+        self.gradients.remove()
+
+    def attach(self, accelerator: Any) -> None:
+        """Follow ``accelerator``'s prepared objects and run inside its training step."""
+        self.models = accelerator._models
+        self.optimizers = accelerator._optimizers
+        self.schedulers = accelerator._schedulers
+        self.step_state = accelerator.step_state
+        self._custom_objects = accelerator._custom_objects
+        accelerator.callbacks.callbacks.insert(0, FaultToleranceHooks(self))
+
+    def prepare_loader(
+        self, loader: Any, device: torch.device | None, seed: int | None
+    ) -> FaultTolerantDataLoader:
+        """A loader dealing ``loader``'s samples over the quorum (saved by ``save_state``)."""
+        from .data import FaultTolerantDataLoader
+
+        prepared = FaultTolerantDataLoader(loader, self, device=device, seed=seed)
+        self.loaders.append(prepared)
+        self._custom_objects.append(prepared)
+        return prepared
+
+    def current_step(self) -> int:
+        """Steps committed by the job (``manager.current_step()``): the step count that
+        survives failures and rejoins."""
+        return int(self.manager.current_step()) if self.manager is not None else 0
+
+    # -- the step ---------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Open the next step: its quorum (no-op while one is open)."""
+        if self.step_open or self.manager is None:
+            return
+        first, self._first_quorum = self._first_quorum, False
+        steps = self.step_state.optimizer_steps if self.step_state is not None else 0
+        if first and steps != self.current_step():
+            # The script loaded a checkpoint (load_state) before training: the job's step
+            # count starts there (a group with a later step still heals this one).
+            self.manager.load_state_dict({"step": steps, "batches_committed": 0})
+        started = time.perf_counter()
+        # The state is final now: a peer may copy it (see the module docstring).
+        self.manager.allow_state_dict_read()
+        if self._quorum_asked:
+            self._quorum_asked = False
+            self._quorum_thread.wait()
+        else:
+            self.manager.start_quorum()
+        self.last_quorum_seconds = time.perf_counter() - started
+        received, self._received = self._received, None
+        if received is not None:  # healed from a peer: its state is ours now
+            self._load_state(received)
+            self.recoveries += 1
+        self.step_open = True
+        self._commit = None
+        self.gradients.build(self.models)
+        if first and self.state.launch.restart_count > 0 and self.replica_groups > 1:
+            self._check_rejoined()
+
+    def _ask_next_quorum(self) -> None:
+        """Ask for the next step's quorum in the background (the vote of this one is in).
+        Peers may not copy this group's state until the next step opens."""
+        if self.manager is None:
+            return
+        self.manager.disallow_state_dict_read()
+        self._quorum_thread.ask()
+        self._quorum_asked = True
+
+    def _check_rejoined(self) -> None:
+        """A restarted group found no live peer: either the job is over (another group
+        finished the training: stop) or every other group is down (go on from this
+        group's own state, which is the checkpoint the script loaded, if any)."""
+        if int(self.manager.num_participants()) > 1:
+            return
+        finished = [bool(self.finished_file) and Path(str(self.finished_file)).exists()]
+        if self.state.num_processes > 1:  # the whole group decides alike
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(finished, src=0)
+        if finished[0]:
+            log.warning(
+                "fault tolerance: replica group %s restarted after another group finished "
+                "the training; nothing is left to do, so it stops here",
+                self.replica_id,
+            )
+            self.shutdown()
+            raise SystemExit(0)
+        log.warning(
+            "fault tolerance: replica group %s restarted and found no live replica group to "
+            "recover from; it goes on alone from step %d (its own state: the checkpoint the "
+            "script loaded with load_state, else its initial weights)",
+            self.replica_id,
+            self.current_step(),
+        )
+
+    def data_coordinates(self) -> tuple[int, int]:
+        """``(index, count)`` of this process among the data-parallel processes of the
+        current quorum (replica groups times the data-parallel processes of a group)."""
+        view = self.state.data_parallel
+        if self.manager is None or not self.step_open:
+            return view.process_index, view.num_processes * self.replica_groups
+        rank = self.manager.participating_rank()
+        participants = max(1, int(self.manager.num_participants()))
+        return (rank or 0) * view.num_processes + view.process_index, (
+            participants * view.num_processes
+        )
+
+    def before_backward(self, sync_gradients: bool) -> None:
+        """Before a backward: open the step; the one that ends the step's accumulation
+        starts the gradients' all-reduce as backward produces them."""
+        self.begin_step()
+        if sync_gradients and self.manager is not None:
+            self.gradients.arm()
+
+    def allreduce_gradients(self) -> None:
+        """Average every gradient (the local shard of sharded ones) over the quorum."""
+        if self.manager is None:
+            return
+        self.begin_step()
+        self.gradients.finish()
+
+    def should_commit(self) -> bool:
+        """Every group's vote on the open step (asked once per step; later calls repeat
+        the answer). A discarded step puts the loaders' positions back."""
+        if self._commit is not None:
+            return self._commit
+        if self.manager is None:
+            return True
+        self.begin_step()
+        commit = bool(self.manager.should_commit())
+        self._commit = commit
+        self.step_open = False
+        for loader in self.loaders:
+            loader.finish_step(commit)
+        if commit:
+            self.steps_committed += 1
+        else:
+            self.steps_discarded += 1
+        self._ask_next_quorum()
+        return commit
+
+    # -- what a rejoining group copies ------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        steps = self.step_state.optimizer_steps if self.step_state is not None else 0
+        return {
+            "models": [recovery.model_state(m) for m in self.models],
+            "optimizers": [recovery.optimizer_state(o.optimizer) for o in self.optimizers],
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "loaders": [loader.position() for loader in self.loaders],
+            "rng": recovery.rng_state(),
+            "optimizer_steps": steps,
+        }
+
+    def _receive_state(self, state: dict[str, Any]) -> None:
+        # Called by the quorum (maybe in the background): loaded when the step opens.
+        self._received = state
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        counts = {
+            "models": len(self.models),
+            "optimizers": len(self.optimizers),
+            "schedulers": len(self.schedulers),
+            "loaders": len(self.loaders),
+        }
+        for key, count in counts.items():
+            if len(state[key]) != count:
+                raise RuntimeError(
+                    f"fault tolerance: the healthy peer prepared {len(state[key])} {key}, this "
+                    f"group {count}: every replica group must run the same script"
+                )
+        for model, model_state in zip(self.models, state["models"], strict=True):
+            recovery.load_model_state(model, model_state)
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
+            recovery.load_optimizer_state(optimizer.optimizer, optimizer_state)
+        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(scheduler_state)
+        for loader, position in zip(self.loaders, state["loaders"], strict=True):
+            loader.load_position(position)
+        recovery.load_rng_state(state["rng"])
+        if self.step_state is not None:
+            self.step_state.optimizer_steps = int(state["optimizer_steps"])
+
+
+class FaultToleranceHooks(Callback):
+    """Ties the controller into the Accelerator's training step (the first callback)."""
+
+    def __init__(self, controller: FaultTolerance) -> None:
+        self.controller = controller
+
+    def on_before_zero_grad(self, accelerator: Any, optimizer: Any) -> None:
+        self.controller.begin_step()
+
+    def on_before_backward(self, accelerator: Any, loss: Any) -> None:
+        self.controller.before_backward(accelerator.step_state.sync_gradients)
+
+    def on_after_backward(self, accelerator: Any) -> None:
+        if accelerator.step_state.sync_gradients:
+            self.controller.allreduce_gradients()
+
+    def on_before_optimizer_step(self, accelerator: Any, optimizer: Any) -> None:
+        if not self.controller.should_commit():
+            accelerator.coordinator.skip_step = True
+
+
+class _QuorumThread:
+    """Runs ``manager.start_quorum()`` (torchft's synchronous quorum: a group that is behind
+    heals in it) on a thread of its own, one at a time: :meth:`ask` starts one, :meth:`wait`
+    waits for it and raises its error. A daemon, so a quorum still out does not hold the
+    interpreter at exit."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+        self._asked = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="slipstream-ft-quorum", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._asked.wait()
+            self._asked.clear()
+            try:
+                self._manager.start_quorum()
+            except BaseException as error:  # handed to the training thread by wait()
+                self._error = error
+            self._done.set()
+
+    def ask(self) -> None:
+        self._done.clear()
+        self._error = None
+        self._asked.set()
+
+    def wait(self, timeout: float | None = None, *, quiet: bool = False) -> None:
+        self._done.wait(timeout)
+        error, self._error = self._error, None
+        if error is not None and not quiet:
+            raise error

@@ -1,0 +1,97 @@
+"""Train through failures: replica groups drop out and rejoin per step (torchft).
+
+The training loop is plain PyTorch plus the four slipstream lines; fault tolerance is one
+option object. Run two replica groups, each restarted up to three times, with a lighthouse
+the launcher starts itself:
+
+    slipstream launch --cpu -n 2 --fault_tolerance --max_restarts 3 examples/fault_tolerant.py
+
+Kill one of the worker processes (``kill -9 PID``) while it trains: the other group loses at
+most the step it was in and goes on alone; the killed one is restarted, copies the model,
+optimizer, scheduler, RNG and data position from the survivor and joins again. Without
+``--fault_tolerance`` the script trains as any other.
+
+It prints the held-out loss and accuracy before training and every few steps (from the
+first replica group). Options: --steps N, --lr X, --quick (a short run, for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from slipstream import Accelerator, FaultToleranceKwargs, set_seed
+
+
+def make_dataset(samples: int, generator: torch.Generator) -> TensorDataset:
+    """Points in 16 dimensions, labelled by which of 4 random directions they lean to."""
+    directions = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    inputs = torch.randn(samples, 16, generator=generator)
+    return TensorDataset(inputs, (inputs @ directions.T).argmax(dim=1))
+
+
+def evaluate(model: nn.Module, data: TensorDataset) -> tuple[float, float]:
+    """Held-out loss and accuracy (every replica group holds the same model)."""
+    inputs, targets = data.tensors
+    with torch.no_grad():
+        outputs = model(inputs)
+    accuracy = float((outputs.argmax(dim=1) == targets).float().mean())
+    return float(F.cross_entropy(outputs, targets)), accuracy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    steps = 60 if args.quick else args.steps
+
+    # The launcher's --fault_tolerance turns it on; here it is also spelled out.
+    launched = bool(os.environ.get("SLIPSTREAM_FT_LIGHTHOUSE"))
+    accelerator = Accelerator(
+        fault_tolerance=FaultToleranceKwargs(min_replicas=1, enabled=launched)
+    )
+    set_seed(0)
+    train = make_dataset(2048, torch.Generator().manual_seed(1))
+    held_out = make_dataset(512, torch.Generator().manual_seed(2))
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    loader = DataLoader(train, batch_size=32, shuffle=True)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    ft = accelerator.fault_tolerance
+    speaks = accelerator.is_main_process and (ft is None or ft.replica_id.endswith("_0"))
+
+    def report(when: str) -> None:
+        loss, accuracy = evaluate(model, held_out)
+        if speaks:
+            print(f"{when}: held-out loss {loss:.4f}, accuracy {accuracy:.3f}", flush=True)
+
+    report("before training")
+    # Count steps, not passes: a group that rejoins continues the epoch the others are in.
+    while accelerator.step < steps:
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            if accelerator.step % 20 == 0 and not accelerator.optimizer_step_was_skipped:
+                report(f"step {accelerator.step}")
+            if accelerator.step >= steps:
+                break
+    if speaks and ft is not None:
+        print(
+            f"replica group {ft.replica_id}: {ft.steps_committed} steps applied, "
+            f"{ft.steps_discarded} discarded, {ft.recoveries} recoveries from a peer"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Bad fault-tolerance settings fail early with a message naming what to change."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from slipstream import FaultToleranceKwargs
+from slipstream.launcher.config import LaunchConfig, validate
+from slipstream.options.errors import ConfigError
+
+
+def test_bad_options_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="min_replicas"):
+        FaultToleranceKwargs(min_replicas=0)
+    with pytest.raises(ConfigError, match="below min_replicas"):
+        FaultToleranceKwargs(min_replicas=3, replica_groups=2)
+    with pytest.raises(ConfigError, match=r"http://127\.0\.0\.1:29510"):
+        FaultToleranceKwargs(lighthouse="127.0.0.1:29510")
+    with pytest.raises(ConfigError, match="unknown key 'min_replica'"):
+        FaultToleranceKwargs.from_config({"min_replica": 1})
+
+
+def test_launch_config_checks_the_groups() -> None:
+    with pytest.raises(ConfigError, match=r"replica_groups \(2\) must divide num_processes \(3\)"):
+        validate(LaunchConfig(num_processes=3, fault_tolerance_config={"replica_groups": 2}))
+    config = validate(LaunchConfig(num_processes=4, fault_tolerance_config={"replica_groups": 2}))
+    assert config.worker_settings()["fault_tolerance_config"] == {"replica_groups": 2}
+
+
+def test_missing_lighthouse_and_names_are_explained() -> None:
+    pytest.importorskip("torchft")
+    from slipstream.fault_tolerance import build_fault_tolerance
+    from slipstream.runtime.env import patch_environment
+    from slipstream.runtime.state import ProcessState
+
+    state = ProcessState.__new__(ProcessState)  # only passed through, never used here
+    with patch_environment(SLIPSTREAM_FT_LIGHTHOUSE="", TORCHFT_LIGHTHOUSE=""):
+        with pytest.raises(ConfigError, match="lighthouse='http://HOST:PORT'"):
+            build_fault_tolerance(FaultToleranceKwargs(), {}, state)
+        with pytest.raises(ConfigError, match="must end in the group's index"):
+            build_fault_tolerance(
+                FaultToleranceKwargs(lighthouse="http://127.0.0.1:1", replica_id="main"), {}, state
+            )
+
+
+def test_import_slipstream_does_not_import_torchft() -> None:
+    code = (
+        "import sys, slipstream; slipstream.FaultToleranceKwargs; print('torchft' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr
