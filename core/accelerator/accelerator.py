@@ -31,7 +31,6 @@ from ..data.active_loaders import ActiveLoaders
 from ..diagnostics.hang import watch_for_hangs
 from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
 from ..optim.scheduler import AcceleratedScheduler
-from ..options.fault_tolerance import FaultToleranceKwargs
 from ..options.kwargs import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -80,6 +79,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from ..data.loader import PreparedDataLoader
+    from ..options.fault_tolerance import FaultToleranceKwargs
     from ..strategies.megatron_plugin import MegatronLMPlugin
     from .checkpointer import LoadHook, SaveHook
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..callbacks.base import Callback
 from ..parallel.config import ParallelismConfig
-from ..strategies.megatron_plugin import MegatronLMConfigError, MegatronLMPlugin
+
+if TYPE_CHECKING:
+    from ..strategies.megatron_plugin import MegatronLMPlugin
+# ..strategies.megatron_plugin is imported only where a job uses Megatron-LM's options
+# (benchmarks/startup.py: `from slipstream import Accelerator` does not load it).
 
 
 def megatron_plugin_for(
@@ -26,16 +30,19 @@ def megatron_plugin_for(
 ) -> MegatronLMPlugin | None:
     """The plugin passed to the Accelerator, else the launcher's ``megatron_lm_config``
     block (or ``distributed_type: MEGATRON_LM`` alone: Accelerate's defaults)."""
+    block = launch.get("megatron_lm_config") or {}
+    wanted = block or str(launch.get("distributed_type", "")).upper() == "MEGATRON_LM"
+    if given is None and not wanted:
+        return None
+    from ..strategies.megatron_plugin import MegatronLMPlugin
+
     if given is not None:
         if not isinstance(given, MegatronLMPlugin):
             raise TypeError(
                 f"megatron_lm_plugin takes a slipstream MegatronLMPlugin, got {type(given).__name__}"
             )
         return given
-    block = launch.get("megatron_lm_config") or {}
-    if block or str(launch.get("distributed_type", "")).upper() == "MEGATRON_LM":
-        return MegatronLMPlugin.from_config(block)
-    return None
+    return MegatronLMPlugin.from_config(block)
 
 
 def megatron_layout(
@@ -47,6 +54,8 @@ def megatron_layout(
 ) -> ParallelismConfig:
     """The ``ParallelismConfig`` the plugin asks for; refuses a second layout. The options
     without an equivalent are named in one warning (by the main process)."""
+    from ..strategies.megatron_plugin import MegatronLMConfigError
+
     if parallelism_config is not None or launch.get("parallelism_config"):
         raise MegatronLMConfigError(
             "a Megatron-LM configuration (megatron_lm_plugin or megatron_lm_config) and a "
@@ -97,6 +106,8 @@ def micro_batched(loader: DataLoader[Any], plugin: MegatronLMPlugin | None) -> D
     if factor == 1:
         return loader
     if loader.batch_size is None:
+        from ..strategies.megatron_plugin import MegatronLMConfigError
+
         raise MegatronLMConfigError(
             f"num_micro_batches={factor}: each prepared batch holds {factor} batches of the "
             "DataLoader (Accelerate's Megatron-LM rule), which needs a DataLoader built with "

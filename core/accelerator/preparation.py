@@ -264,9 +264,11 @@ class PreparationMixin:
         self._check_prepare_arguments([data_loader])
         if self._adopt_prepared(data_loader):
             return cast("PreparedDataLoader", data_loader)
-        from .megatron import micro_batched
+        megatron_lm_plugin = getattr(self, "megatron_lm_plugin", None)
+        if megatron_lm_plugin is not None:
+            from .megatron import micro_batched
 
-        data_loader = micro_batched(data_loader, getattr(self, "megatron_lm_plugin", None))
+            data_loader = micro_batched(data_loader, megatron_lm_plugin)
         placement = self.device_placement if device_placement is None else device_placement
         controller = getattr(self, "fault_tolerance", None)
         if controller is not None:  # dealt over the live replica groups, step by step

@@ -1,11 +1,23 @@
-"""Lightning-style callbacks for plain scripts: ``Accelerator(callbacks=[...])``."""
+"""Lightning-style callbacks for plain scripts: ``Accelerator(callbacks=[...])``.
 
+Each callback's module is imported on first use: an Accelerator without the monitors and the
+guard never loads them (benchmarks/startup.py).
+"""
+
+from __future__ import annotations
+
+from ..runtime.lazy import lazy_exports
 from .base import Callback
-from .builtin import EarlyStopping, GradientNormMonitor
-from .guard import BadStepGuard
 from .runner import CallbackError, CallbackRunner
-from .stragglers import StragglerMonitor
-from .throughput import ThroughputMonitor
+
+_EXPORTS = {
+    "BadStepGuard": "guard",
+    "EarlyStopping": "builtin",
+    "GradientNormMonitor": "builtin",
+    "StragglerMonitor": "stragglers",
+    "ThroughputMonitor": "throughput",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "BadStepGuard",

@@ -41,9 +41,9 @@ from typing import Any
 from ..runtime.env import hang_timeout_from_environment, report_dir
 from ..runtime.flight import COLLECTIVES, PROGRESS, on_timeout
 from ..runtime.state import ProcessState
-from .flight_recorder import read_flight_recorder
-from .hang_report import build_report
-from .stacks import thread_stack
+
+# The report's parts (flight_recorder, hang_report, stacks) are imported when the watchdog
+# starts, not with slipstream: an Accelerator that never watches never loads them.
 
 #: The exit code of a job ended by a hang report (distinct from errors, 1, and preemption, 75).
 HANG_EXIT_CODE = 86
@@ -137,6 +137,9 @@ class HangWatchdog:
         return min(MAX_PERIOD_SECONDS, max(0.1, self.timeout / 10))
 
     def start(self) -> None:
+        # Imported now, on the main thread: a hung process must not need the import lock.
+        from . import flight_recorder, hang_report, stacks  # noqa: F401
+
         if self._store is not None:  # so a report can name a process that cannot answer
             where = f"{socket.gethostname()}:{os.getpid()}"
             self._store.set(f"pid/{self.state.process_index}", where)
@@ -211,6 +214,9 @@ class HangWatchdog:
     # -- answering ------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """This process's account: where it is, its last collectives, its step."""
+        from .flight_recorder import read_flight_recorder  # loaded by start()
+        from .stacks import thread_stack
+
         state = self.state
         return {
             "rank": state.process_index,
@@ -293,6 +299,8 @@ class HangWatchdog:
         self, dumps: dict[int, dict[str, Any]], declared: dict[str, Any], print_it: bool
     ) -> str:
         """Write the report and the dumps to the project folder and the launcher's."""
+        from .hang_report import build_report  # loaded by start()
+
         stamp = time.strftime("%Y%m%d-%H%M%S")
         project = self.project_dir()
         base = Path(project) / "diagnostics" if project else Path("slipstream-diagnostics")

@@ -10,7 +10,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..options.errors import ConfigError
-from ..runtime.xla import install_hint, xla_installed
+
+# ..runtime.xla imports torch: loaded only when a launch asks for XLA (`slipstream --help`
+# and the launcher's own start stay without torch; benchmarks/startup.py).
 
 
 def check_xla_launch(values: Mapping[str, Any], pod: bool) -> None:
@@ -21,7 +23,11 @@ def check_xla_launch(values: Mapping[str, Any], pod: bool) -> None:
             "`slipstream launch --tpu ...` on every host of the pod (e.g. gcloud compute tpus "
             "tpu-vm ssh NAME --worker=all --command='...'), see docs/xla.md"
         )
-    if str(values.get("distributed_type", "")).upper() == "XLA" and not xla_installed():
+    if str(values.get("distributed_type", "")).upper() != "XLA":
+        return
+    from ..runtime.xla import install_hint, xla_installed
+
+    if not xla_installed():
         raise ConfigError(
             "distributed_type: XLA (--tpu) needs torch_xla, which is not installed: "
             f"{install_hint()}"

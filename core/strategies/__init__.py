@@ -12,13 +12,16 @@ Example::
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from .base import Strategy
 from .ddp import DDPStrategy
 from .deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
 from .fsdp_plugin import FullyShardedDataParallelPlugin
-from .megatron_plugin import MegatronLMPlugin
 from .single import SingleDeviceStrategy
+
+if TYPE_CHECKING:
+    from .megatron_plugin import MegatronLMPlugin
 
 _REGISTRY: dict[str, type[Strategy] | str] = {
     "single": SingleDeviceStrategy,
@@ -28,6 +31,16 @@ _REGISTRY: dict[str, type[Strategy] | str] = {
     "model_parallel": "slipstream.strategies.model_parallel:ModelParallelStrategy",
     "xla": "slipstream.strategies.xla:XlaStrategy",
 }
+
+
+def __getattr__(name: str) -> Any:
+    # Megatron-LM's options are loaded when a script names them (benchmarks/startup.py).
+    if name == "MegatronLMPlugin":
+        from .megatron_plugin import MegatronLMPlugin
+
+        globals()[name] = MegatronLMPlugin
+        return MegatronLMPlugin
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register_strategy(name: str, strategy: type[Strategy] | str) -> None:
