@@ -28,7 +28,6 @@ from torch import nn
 
 from ..callbacks import CallbackRunner
 from ..data.active_loaders import ActiveLoaders
-from ..diagnostics.hang import watch_for_hangs
 from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
 from ..optim.scheduler import AcceleratedScheduler
 from ..options.kwargs import (
@@ -50,12 +49,7 @@ from ..runtime.preemption import DEFAULT_SIGNALS, PreemptionHandler
 from ..runtime.process_control import ProcessControl
 from ..runtime.state import DistributedType, join_or_build_state, shared_state_generation
 from ..runtime.tree import map_tensors, tensor_leaves
-from ..strategies import (
-    DeepSpeedPlugin,
-    FullyShardedDataParallelPlugin,
-    available_strategies,
-    get_strategy_class,
-)
+from ..strategies import available_strategies, get_strategy_class
 from ..tracking import GeneralTracker, resolve_log_with
 from ..tracking.api import TrackingMixin
 from . import megatron
@@ -80,6 +74,8 @@ if TYPE_CHECKING:
 
     from ..data.loader import PreparedDataLoader
     from ..options.fault_tolerance import FaultToleranceKwargs
+    from ..strategies.deepspeed_plugin import DeepSpeedPlugin
+    from ..strategies.fsdp_plugin import FullyShardedDataParallelPlugin
     from ..strategies.megatron_plugin import MegatronLMPlugin
     from .checkpointer import LoadHook, SaveHook
 
@@ -280,6 +276,8 @@ class Accelerator(
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}
         self._preemption = self._preemption_handler(save_on_preemption, preemption_signals, launch)
+        from ..diagnostics.hang import watch_for_hangs  # loaded by the Accelerator, not import
+
         watch_for_hangs(self.state, hang_timeout, launch, self.project_configuration)
         self.fault_tolerance: Any = None
         if fault_tolerance is not None or launch.get("fault_tolerance_config"):

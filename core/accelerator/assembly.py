@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..optim.elastic import accumulation_for_world
 from ..optim.step import StepState
@@ -19,14 +19,12 @@ from ..options.kwargs import (
 )
 from ..parallel import ParallelismConfig
 from ..runtime.state import ProcessState
-from ..strategies import (
-    DeepSpeedPlugin,
-    FullyShardedDataParallelPlugin,
-    Strategy,
-    available_strategies,
-    get_strategy_class,
-)
+from ..strategies import Strategy, available_strategies, get_strategy_class
 from .compile import check_backend, normalise_backend
+
+if TYPE_CHECKING:
+    from ..strategies.deepspeed_plugin import DeepSpeedPlugin
+    from ..strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 
 #: distributed_type values in the launcher's configuration -> strategy registry names.
 STRATEGY_FOR_TYPE = {
@@ -144,6 +142,8 @@ def build_strategy(
                 comm_state_option=ddp.comm_state_option,
             )
     elif name in ("fsdp", "model_parallel"):
+        from ..strategies.fsdp_plugin import FullyShardedDataParallelPlugin
+
         options = {
             "plugin": fsdp_plugin
             or FullyShardedDataParallelPlugin.from_config(launch.get("fsdp_config") or {}),
@@ -155,6 +155,8 @@ def build_strategy(
             if fsdp_plugin is None and not launch.get("fsdp_config"):
                 options["plugin"] = None  # the strategy's defaults (sharded checkpoints)
     elif name == "deepspeed":
+        from ..strategies.deepspeed_plugin import DeepSpeedPlugin
+
         options = {
             "plugin": deepspeed_plugin
             or DeepSpeedPlugin.from_config(launch.get("deepspeed_config") or {}),

@@ -20,7 +20,7 @@ from ..optim.step import StepState
 from ..options.kwargs import DataLoaderConfiguration, TorchDynamoPlugin
 from ..precision import Precision
 from ..runtime.state import ProcessState
-from ..strategies import DummyOptim, DummyScheduler, Strategy
+from ..strategies import Strategy
 from .compile import compile_model
 from .shared_state import refuse_if_reset
 
@@ -48,7 +48,17 @@ class PrepareError(TypeError):
     """``prepare()`` got objects it cannot prepare together."""
 
 
+def _optimizer_types() -> tuple[type, ...]:
+    """Optimizers prepare() takes: torch's, and DeepSpeed's placeholder for one the config
+    defines (its module loads on first prepare, not with slipstream)."""
+    from ..strategies.deepspeed_plugin import DummyOptim
+
+    return (torch.optim.Optimizer, DummyOptim)
+
+
 def _is_scheduler(obj: Any) -> bool:
+    from ..strategies.deepspeed_plugin import DummyScheduler
+
     if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)):
         return True
     return isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer) and callable(
@@ -112,10 +122,9 @@ class PreparationMixin:
         model_slots = [
             i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and i not in done
         ]
+        optimizer_types = _optimizer_types()
         optimizer_slots = [
-            i
-            for i, obj in enumerate(args)
-            if isinstance(obj, (torch.optim.Optimizer, DummyOptim)) and i not in done
+            i for i, obj in enumerate(args) if isinstance(obj, optimizer_types) and i not in done
         ]
         if model_slots or optimizer_slots:
             models = [args[i] for i in model_slots]
@@ -218,9 +227,7 @@ class PreparationMixin:
             for obj in args
             if _is_scheduler(obj) and not isinstance(obj, (nn.Module, AcceleratedScheduler))
         ]
-        optimizers_here = {
-            id(obj) for obj in args if isinstance(obj, (torch.optim.Optimizer, DummyOptim))
-        }
+        optimizers_here = {id(obj) for obj in args if isinstance(obj, _optimizer_types())}
         known = optimizers_here | {id(opt.optimizer) for opt in self._optimizers}
         known |= {id(opt.original) for opt in self._optimizers}
         for scheduler in schedulers:

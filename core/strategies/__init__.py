@@ -14,14 +14,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..runtime.lazy import import_export
 from .base import Strategy
 from .ddp import DDPStrategy
-from .deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
-from .fsdp_plugin import FullyShardedDataParallelPlugin
 from .single import SingleDeviceStrategy
 
 if TYPE_CHECKING:
+    from .deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
+    from .fsdp_plugin import FullyShardedDataParallelPlugin
     from .megatron_plugin import MegatronLMPlugin
+
+# The engines' option objects load when a script names them (benchmarks/startup.py: an
+# Accelerator for DDP never reads them).
+_PLUGINS = {
+    "DeepSpeedPlugin": "deepspeed_plugin",
+    "DummyOptim": "deepspeed_plugin",
+    "DummyScheduler": "deepspeed_plugin",
+    "FullyShardedDataParallelPlugin": "fsdp_plugin",
+    "MegatronLMPlugin": "megatron_plugin",
+}
 
 _REGISTRY: dict[str, type[Strategy] | str] = {
     "single": SingleDeviceStrategy,
@@ -34,13 +45,7 @@ _REGISTRY: dict[str, type[Strategy] | str] = {
 
 
 def __getattr__(name: str) -> Any:
-    # Megatron-LM's options are loaded when a script names them (benchmarks/startup.py).
-    if name == "MegatronLMPlugin":
-        from .megatron_plugin import MegatronLMPlugin
-
-        globals()[name] = MegatronLMPlugin
-        return MegatronLMPlugin
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return import_export(__name__, _PLUGINS, globals(), name)
 
 
 def register_strategy(name: str, strategy: type[Strategy] | str) -> None:
