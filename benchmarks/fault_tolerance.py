@@ -300,7 +300,8 @@ def main() -> None:
     if not args.overhead:
         recovery(args.quick)
     if not args.recovery:
-        overhead(args.quick, list(SIZES) if args.size == "all" else [args.size])
+        every = ["tiny"] if args.quick else list(SIZES)  # --quick: the suite's smoke run
+        overhead(args.quick, every if args.size == "all" else [args.size])
 
 
 if __name__ == "__main__":
