@@ -33,7 +33,6 @@ slipstream is compared with it too, paired the same way: the same work on both s
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
@@ -282,25 +281,13 @@ def worker(schedule: str, size: str, generations: int, rounds: int, timed: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", choices=sorted(SCHEDULE_CLASSES))
-    parser.add_argument("--size", choices=sorted(SIZES))
-    parser.add_argument("--generations", type=int)
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--timed", type=int, help="timed steps per variant and round")
-    args = parser.parse_args()
+    args = workers.case_arguments(__doc__.splitlines()[0], SCHEDULE_CLASSES, SIZES)
     if args.worker:
         worker(args.worker, args.size, args.generations, args.rounds, args.timed)
         return
-    cases = [("1f1b", "tiny")] if args.quick else list(ROUNDS)
-    for schedule, size in cases:
-        generations, rounds, timed = (1, 2, 2) if args.quick else ROUNDS[schedule, size]
-        arguments = ["--worker", schedule, "--size", size,
-                     "--generations", str(args.generations or generations),
-                     "--rounds", str(args.rounds or rounds),
-                     "--timed", str(args.timed or timed)]  # fmt: skip
-        result = workers.run_workers(__file__, arguments, processes=PP)[0]
+    for schedule, size, processes, result in workers.run_cases(
+        __file__, args, ROUNDS, ("1f1b", "tiny"), lambda schedule: PP
+    ):
         label = f"pp2 {schedule} {size}"
         workers.print_step_ratios(label, result, 25)
         low, high = result["vs_loss_interval"]
@@ -309,7 +296,7 @@ def main() -> None:
             f"{result['vs_loss']:.3f}x  (95% interval {low:.3f}-{high:.3f})"
         )
         print(
-            f"{label:25s} {result['steps']} paired steps per variant on {PP} processes; "
+            f"{label:25s} {result['steps']} paired steps per variant on {processes} processes; "
             f"gradient norms: slipstream vs hand-written differ by at most "
             f"{result['norm_difference']:.1e} (relative)"
         )

@@ -33,7 +33,6 @@ clip costs).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from typing import Any
 
@@ -322,26 +321,13 @@ def worker(layout: str, size: str, generations: int, rounds: int, timed: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", choices=sorted(LAYOUTS))
-    parser.add_argument("--size", choices=sorted(SIZES))
-    parser.add_argument("--generations", type=int)
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--timed", type=int, help="timed steps per variant and round")
-    args = parser.parse_args()
+    args = workers.case_arguments(__doc__.splitlines()[0], LAYOUTS, SIZES)
     if args.worker:
         worker(args.worker, args.size, args.generations, args.rounds, args.timed)
         return
-    cases = [("tp2", "tiny")] if args.quick else list(ROUNDS)
-    for layout, size in cases:
-        generations, rounds, timed = (1, 2, 2) if args.quick else ROUNDS[layout, size]
-        arguments = ["--worker", layout, "--size", size,
-                     "--generations", str(args.generations or generations),
-                     "--rounds", str(args.rounds or rounds),
-                     "--timed", str(args.timed or timed)]  # fmt: skip
-        processes = LAYOUTS[layout][0]
-        result = workers.run_workers(__file__, arguments, processes=processes)[0]
+    for layout, size, processes, result in workers.run_cases(
+        __file__, args, ROUNDS, ("tp2", "tiny"), lambda layout: LAYOUTS[layout][0]
+    ):
         label = f"{layout} {size}"
         workers.print_step_ratios(label, result, 14)
         print(

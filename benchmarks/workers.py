@@ -9,13 +9,14 @@ with :func:`run_generations` and :func:`time_rounds` and report :func:`paired_st
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 _PREFIX = "BENCH "
@@ -196,3 +197,37 @@ def print_step_ratios(label: str, result: dict[str, Any], width: int) -> None:
             f"{low:.3f}-{high:.3f}; {result['cpu_extra_us'][name]:+.0f} us CPU per step; "
             f"weights {same})"
         )
+
+
+def case_arguments(
+    description: str, cases: Iterable[str], sizes: Iterable[str]
+) -> argparse.Namespace:
+    """The command line of a benchmark timed case by case (a layout or schedule, and a model
+    size): ``--quick``, the worker's ``--worker CASE --size SIZE`` and round overrides."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", choices=sorted(cases))
+    parser.add_argument("--size", choices=sorted(sizes))
+    parser.add_argument("--generations", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--timed", type=int, help="timed steps per variant and round")
+    return parser.parse_args()
+
+
+def run_cases(
+    script: str,
+    args: argparse.Namespace,
+    rounds: Mapping[tuple[str, str], tuple[int, int, int]],
+    quick: tuple[str, str],
+    processes: Callable[[str], int],
+) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
+    """Run ``script``'s worker for each (case, size) of ``rounds`` (only ``quick`` with
+    ``--quick``); yields the case, the size, its process count and rank 0's report."""
+    for case, size in [quick] if args.quick else list(rounds):
+        generations, rounds_, timed = (1, 2, 2) if args.quick else rounds[case, size]
+        arguments = ["--worker", case, "--size", size,
+                     "--generations", str(args.generations or generations),
+                     "--rounds", str(args.rounds or rounds_),
+                     "--timed", str(args.timed or timed)]  # fmt: skip
+        count = processes(case)
+        yield case, size, count, run_workers(script, arguments, processes=count)[0]

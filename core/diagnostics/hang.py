@@ -38,7 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..runtime.env import hang_timeout_from_environment, report_dir
+from ..runtime.env import debug_watchdog, hang_timeout_from_environment, report_dir
 from ..runtime.flight import COLLECTIVES, PROGRESS, on_timeout
 from ..runtime.state import ProcessState
 
@@ -205,7 +205,7 @@ class HangWatchdog:
                 if reason is not None:
                     self.declare(reason)
         except Exception as error:  # the store is gone: the job is ending anyway
-            if not self._stop.is_set() and os.environ.get("SLIPSTREAM_DEBUG_WATCHDOG"):
+            if not self._stop.is_set() and debug_watchdog():
                 print(f"slipstream: hang watchdog stopped: {error!r}", file=sys.stderr)
 
     def _hang_declared(self) -> bool:

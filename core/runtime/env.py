@@ -209,6 +209,11 @@ def error_file() -> str | None:
     return os.environ.get(ERROR_FILE_VARIABLE) or None
 
 
+def debug_watchdog() -> bool:
+    """``SLIPSTREAM_DEBUG_WATCHDOG``: say why a hang watchdog stopped (for its developers)."""
+    return bool(os.environ.get("SLIPSTREAM_DEBUG_WATCHDOG"))
+
+
 def hang_timeout_from_environment() -> float | None:
     """:data:`HANG_TIMEOUT_VARIABLE` in seconds, if set."""
     raw = os.environ.get(HANG_TIMEOUT_VARIABLE, "").strip()
