@@ -123,7 +123,10 @@ class HangWatchdog:
         self.timeout = timeout
         self.project_dir = project_dir
         self._exit = exit
-        self._store = _job_store(state)
+        #: The job's store, connected by the thread itself: a peer that already left (its
+        #: process hosted the store) must not hold up this process's main thread.
+        self._store: Any = None
+        self._store_lock = threading.Lock()
         self._stop = threading.Event()
         self._declared = threading.Event()
         #: Set to wake the thread early: on a declaration here, or to stop it.
@@ -140,9 +143,6 @@ class HangWatchdog:
         # Imported now, on the main thread: a hung process must not need the import lock.
         from . import flight_recorder, hang_report, stacks  # noqa: F401
 
-        if self._store is not None:  # so a report can name a process that cannot answer
-            where = f"{socket.gethostname()}:{os.getpid()}"
-            self._store.set(f"pid/{self.state.process_index}", where)
         self._thread = threading.Thread(target=self._run, name="slipstream-hang-watchdog")
         self._thread.daemon = True
         self._thread.start()
@@ -175,10 +175,11 @@ class HangWatchdog:
     def declare(self, reason: str) -> None:
         """Announce a hang to every process (the first announcement wins)."""
         payload = json.dumps({"rank": self.state.process_index, "reason": reason})
-        if self._store is None:
-            self._local_declaration = payload
-        else:
-            self._store.compare_set(_DECLARED, "", payload)
+        with self._store_lock:
+            if self._store is None:
+                self._local_declaration = payload
+            else:
+                self._store.compare_set(_DECLARED, "", payload)
         self._declared.set()
         self._wake.set()
 
@@ -192,8 +193,21 @@ class HangWatchdog:
         while time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.1)
 
+    def _connect(self) -> None:
+        store = _job_store(self.state)
+        if store is None:
+            return
+        # So a report can name a process that cannot answer.
+        store.set(f"pid/{self.state.process_index}", f"{socket.gethostname()}:{os.getpid()}")
+        with self._store_lock:
+            self._store = store
+            early = getattr(self, "_local_declaration", None)
+            if early is not None:  # declared by the main thread before the store was here
+                store.compare_set(_DECLARED, "", early)
+
     def _run(self) -> None:
         try:
+            self._connect()
             while not self._stop.is_set():
                 self._wake.wait(self.period)
                 if self._stop.is_set() or not _group_alive(self.state):
