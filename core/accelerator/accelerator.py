@@ -283,7 +283,10 @@ class Accelerator(
         if fault_tolerance is not None or launch.get("fault_tolerance_config"):
             from ..fault_tolerance import build_fault_tolerance
 
-            self.fault_tolerance = build_fault_tolerance(fault_tolerance, launch, self.state)
+            layout = (self.strategy.distributed_type.value, self.parallelism_config)
+            self.fault_tolerance = build_fault_tolerance(
+                fault_tolerance, launch, self.state, layout
+            )
             if self.fault_tolerance is not None:
                 self.fault_tolerance.attach(self)
         note_accelerator(self)

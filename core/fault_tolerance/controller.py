@@ -42,7 +42,7 @@ from torch import nn
 from ..callbacks.base import Callback
 from ..optim.step import StepState
 from ..options.errors import ConfigError
-from ..options.fault_tolerance import FaultToleranceKwargs
+from ..options.fault_tolerance import FaultToleranceKwargs, unsupported_layout
 from ..runtime.env import fault_tolerance_environment
 from ..runtime.state import ProcessState
 from . import recovery
@@ -69,15 +69,22 @@ def import_torchft() -> Any:
 
 
 def build_fault_tolerance(
-    options: FaultToleranceKwargs | None, launch: dict[str, Any], state: ProcessState
+    options: FaultToleranceKwargs | None,
+    launch: dict[str, Any],
+    state: ProcessState,
+    layout: tuple[str, Any] = ("NO", None),
 ) -> FaultTolerance | None:
     """The controller for ``options`` (else the launcher's ``fault_tolerance_config``), or
-    ``None`` when fault tolerance is off."""
+    ``None`` when fault tolerance is off. ``layout``: the Accelerator's distributed type
+    and ``ParallelismConfig`` (some cannot run fault tolerant)."""
     block = launch.get("fault_tolerance_config") or {}
     if options is None and block:
         options = FaultToleranceKwargs.from_config(dict(block))
     if options is None or not options.enabled:
         return None
+    refused = unsupported_layout(layout[0], getattr(layout[1], "pp_size", None))
+    if refused is not None:
+        raise ConfigError(refused)
     environment = fault_tolerance_environment()
     lighthouse = options.lighthouse or environment["lighthouse"]
     replica_id = options.replica_id or environment["replica_id"]

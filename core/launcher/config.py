@@ -338,9 +338,15 @@ def _validate_blocks(config: LaunchConfig, where: str) -> None:
 
     validate_megatron(config, where)
     if config.fault_tolerance_config:
-        from ..options.fault_tolerance import check_config_block
+        from ..options.fault_tolerance import check_config_block, unsupported_layout
 
         check_config_block(config.fault_tolerance_config, f"{where}: fault_tolerance_config")
+        stages = (config.parallelism_config or {}).get("parallelism_config_pp_size") or (
+            config.megatron_lm_config or {}
+        ).get("megatron_lm_pp_degree")
+        refused = unsupported_layout(config.distributed_type, stages)
+        if refused is not None:
+            raise ConfigError(f"{where}: {refused}")
         groups = config.fault_tolerance_config.get("replica_groups")
         if groups and config.num_processes % groups:
             raise ConfigError(

@@ -125,3 +125,33 @@ def check_config_block(block: dict[str, Any], where: str = "fault_tolerance_conf
         value = block.get(key)
         if value is not None and not float(value) > 0:
             raise ConfigError(f"{where}: {key} must be a positive number of seconds, got {value!r}")
+
+
+def unsupported_layout(distributed_type: str, pipeline_stages: int | None) -> str | None:
+    """Why per-step fault tolerance cannot run with this engine or layout, else ``None``.
+
+    Example::
+
+        unsupported_layout("DEEPSPEED", 1)  # -> "fault tolerance does not run with DeepSpeed..."
+    """
+    kind = distributed_type.upper()
+    if kind == "DEEPSPEED":
+        return (
+            "fault tolerance does not run with DeepSpeed: its engine reduces the gradients "
+            "itself (a step cannot be voted on or discarded) and a restarted group cannot copy "
+            "ZeRO's state from a peer; run the replica groups with DDP or FSDP2 "
+            "(distributed_type FSDP), or turn fault tolerance off"
+        )
+    if kind == "XLA":
+        return (
+            "fault tolerance does not run on XLA devices: torchft's process groups work on "
+            "CPU and CUDA tensors only; turn fault tolerance off"
+        )
+    if pipeline_stages is not None and pipeline_stages > 1:
+        return (
+            f"fault tolerance does not run with pipeline parallelism (pp_size={pipeline_stages}"
+            "): its schedule runs backward and the stages' gradients outside the step the "
+            "replica groups vote on; use TP or FSDP2 inside a group, or turn fault tolerance "
+            "off"
+        )
+    return None

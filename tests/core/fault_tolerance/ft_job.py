@@ -1,7 +1,7 @@
 """A tiny fault-tolerant training job for the tests and the benchmark, started with
 ``slipstream launch --fault_tolerance``: linear regression, one JSON line per step.
 
-Arguments: OUT_DIR STEPS [--die-at STEP --die-replica N --die-mode allreduce|wait]
+Arguments: OUT_DIR STEPS [--die-at STEP --die-replica N|-1 --die-mode allreduce|wait]
 [--step-sleep S] [--fsdp] [--hidden N] [--until-rejoined]. The dying replica group dies
 only in its first life.
 """
@@ -84,7 +84,8 @@ def main() -> None:
     saved = sorted(Path(args.checkpoint or ".").glob("step_*"), key=lambda p: int(p.name[5:]))
     if args.resume and saved:
         accelerator.load_state(str(saved[-1]))
-    dies = life == 0 and replica == args.die_replica and args.die_at >= 0
+    # --die-replica -1: every group dies (the job falls back to its checkpoint).
+    dies = life == 0 and args.die_replica in (replica, -1) and args.die_at >= 0
     out = Path(args.out)
     name = f"replica{replica}-rank{accelerator.process_index}-life{life}"
     log = (out / f"{name}.jsonl").open("a", buffering=1)

@@ -118,8 +118,15 @@ def _check_job(
         assert first["weights"] == same_step[-1]["weights"]
         assert first["step"] > 0 and first["lr_used"] == pytest.approx(same_step[-1]["lr_used"])
         assert first["scheduler_steps"] == groups * ranks // tensor_parallel
-    # Epoch accounting: within an epoch, committed batches never share a sample, and a
-    # finished epoch saw every sample exactly once.
+    _check_epochs(logs)
+    # Nothing left running.
+    for pid_file in out.glob("*.pid"):
+        assert not _alive(int(pid_file.read_text())), f"{pid_file.stem} still runs"
+
+
+def _check_epochs(logs: dict[str, list[dict[str, Any]]]) -> None:
+    """Epoch accounting: within an epoch, committed batches never share a sample, and a
+    finished epoch saw every sample exactly once."""
     by_epoch: dict[int, list[int]] = {}
     seen_steps: set[tuple[int, int, int]] = set()
     for rows in logs.values():
@@ -133,9 +140,6 @@ def _check_job(
         assert len(samples) == len(set(samples)), f"epoch {epoch} repeated a sample"
         if epoch < last:
             assert sorted(samples) == list(range(96)), f"epoch {epoch} dropped samples"
-    # Nothing left running.
-    for pid_file in out.glob("*.pid"):
-        assert not _alive(int(pid_file.read_text())), f"{pid_file.stem} still runs"
 
 
 @pytest.mark.timeout(150)
@@ -272,5 +276,43 @@ def test_a_group_restarted_after_the_training_finished_stops(tmp_path: Path) -> 
     assert [r["step"] for r in logs["replica0-rank0-life0"] if "step" in r] == [0, 1, 2, 3]
     assert logs["replica1-rank0-life1"] == [], "the restarted group trained again"
     assert "nothing is left to do" in result.stdout
+    for pid_file in tmp_path.glob("*.pid"):
+        assert not _alive(int(pid_file.read_text())), f"{pid_file.stem} still runs"
+
+
+@pytest.mark.timeout(150)
+def test_losing_every_group_falls_back_to_the_checkpoint(tmp_path: Path) -> None:
+    # Both groups die inside backward at step 5; no peer is left to recover from, so the
+    # restarted groups resume from the latest checkpoint (step 4, saved by replica 0 every
+    # 2 steps and loaded by the script's load_state) and the job's step count follows it.
+    checkpoints = tmp_path / "checkpoints"
+    job = [
+        "16", "--die-at", "5", "--die-replica", "-1", "--die-mode", "allreduce",
+        "--checkpoint", str(checkpoints), "--checkpoint-every", "2", "--resume",
+    ]  # fmt: skip
+    result = run_fault_tolerant_job(JOB, tmp_path, job, processes=2, groups=2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    logs = _logs(tmp_path)
+    assert sorted(logs) == [f"replica{g}-rank0-life{life}" for g in (0, 1) for life in (0, 1)]
+    first_life = [r for r in logs["replica0-rank0-life0"] if "step" in r]
+    assert [r["step"] for r in first_life if r["committed"]] == [0, 1, 2, 3, 4]
+    restarted = {k: [r for r in v if "step" in r] for k, v in logs.items() if "life1" in k}
+    # The groups start again at the checkpoint's step, from its weights: what the first
+    # life had before step 4 (its step 4 is lost with it).
+    checkpointed = next(r for r in first_life if r["step"] == 4)
+    starts = sorted(rows[0]["step"] for rows in restarted.values())
+    assert starts[0] == 4, starts
+    for rows in restarted.values():
+        if rows[0]["step"] == 4:
+            assert rows[0]["weights"] == checkpointed["weights"]
+            assert rows[0]["lr_used"] == pytest.approx(checkpointed["lr_used"])
+    # The final model is the one a single process gets from the committed steps up to the
+    # checkpoint and those after the restart.
+    kept = {k: [r for r in v if "life1" in k or r.get("step", 99) < 4] for k, v in logs.items()}
+    reference = _replay(kept, hidden=0)
+    for rows in logs.values():
+        if rows and "final" in rows[-1]:
+            assert rows[-1]["final"] == pytest.approx(reference, abs=1e-5)
+    _check_epochs(kept)
     for pid_file in tmp_path.glob("*.pid"):
         assert not _alive(int(pid_file.read_text())), f"{pid_file.stem} still runs"

@@ -52,3 +52,66 @@ def test_import_slipstream_does_not_import_torchft() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"distributed_type": "DEEPSPEED"}, "does not run with DeepSpeed"),
+        (
+            {"distributed_type": "FSDP", "parallelism_config": {"parallelism_config_pp_size": 2}},
+            r"does not run with pipeline parallelism \(pp_size=2\)",
+        ),
+        (
+            {"distributed_type": "MEGATRON_LM", "megatron_lm_config": {"megatron_lm_pp_degree": 2}},
+            "does not run with pipeline parallelism",
+        ),
+    ],
+)
+def test_engines_and_layouts_it_cannot_run_are_refused_before_start(
+    layout: dict, message: str
+) -> None:
+    config = LaunchConfig(num_processes=4, fault_tolerance_config={"replica_groups": 2}, **layout)
+    with pytest.raises(ConfigError, match=message):
+        validate(config)
+
+
+def _deepspeed_with_fault_tolerance() -> str:
+    from slipstream import Accelerator, DeepSpeedPlugin
+
+    try:
+        Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(zero_stage=1),
+            fault_tolerance=FaultToleranceKwargs(
+                lighthouse="http://127.0.0.1:1", replica_id="replica_0"
+            ),
+        )
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def _pipeline_with_fault_tolerance() -> str:
+    from slipstream import Accelerator, ParallelismConfig
+
+    try:
+        Accelerator(
+            parallelism_config=ParallelismConfig(pp_size=2),
+            fault_tolerance=FaultToleranceKwargs(
+                lighthouse="http://127.0.0.1:1", replica_id="replica_0"
+            ),
+        )
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def test_the_accelerator_refuses_deepspeed_and_pipelines_with_fault_tolerance() -> None:
+    pytest.importorskip("torchft")
+    from tests.distributed import run_distributed
+
+    said = run_distributed(_pipeline_with_fault_tolerance)
+    assert all("does not run with pipeline parallelism (pp_size=2)" in s for s in said), said
+    pytest.importorskip("deepspeed")
+    said = run_distributed(_deepspeed_with_fault_tolerance, world_size=1)
+    assert "does not run with DeepSpeed" in said[0], said

@@ -24,7 +24,7 @@ accelerator = Accelerator(
     project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True)
 )
 torch.manual_seed(0)
-model = torch.nn.Linear(4, 1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 generator = torch.Generator().manual_seed(1)
 inputs = torch.randn(96, 4, generator=generator)
@@ -68,10 +68,8 @@ for x, y in loader:
         continue
     step += 1
     accelerator.save_state()
+    weights = accelerator.get_state_dict(model)  # whole tensors, also from FSDP2's shards
     if accelerator.is_main_process:
-        weights = {
-            k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()
-        }
         torch.save(weights, os.path.join(project, f"weights_{step}.pt"))
     note(event="step", step=step)
     if step >= int(os.environ.get("ELASTIC_TEST_STEPS", "9")):

@@ -1,7 +1,8 @@
 """Elastic sizes: ``slipstream launch --nnodes MIN:MAX`` with launchers on this machine
 standing in for machines. One is killed (the job continues on fewer processes from its
 latest checkpoint), another joins (the job grows), and the weights match runs that resumed
-from the same checkpoints at those sizes."""
+from the same checkpoints at those sizes. With DDP, and with FSDP2 whose sharded
+checkpoints load resharded at each new size."""
 
 from __future__ import annotations
 
@@ -62,14 +63,24 @@ def _environment() -> dict[str, str]:
     return {**variables, **device_environment(), "OMP_NUM_THREADS": "1"}
 
 
-def _launcher(port: int, project: Path, budget: Path, host: bool) -> subprocess.Popen[str]:
+#: The layouts the job runs with: DDP, and FSDP2 with sharded (DCP) checkpoints that load
+#: resharded at the new size.
+LAYOUTS = {
+    "ddp": [],
+    "fsdp2": ["--use_fsdp", "--fsdp_state_dict_type", "SHARDED_STATE_DICT"],
+}
+
+
+def _launcher(
+    port: int, project: Path, budget: Path, host: bool, layout: list[str]
+) -> subprocess.Popen[str]:
     """One "machine": a launcher of one process. Its output goes to a file (a pipe nobody
     reads would stall it once full)."""
     command = [
         sys.executable, "-m", "slipstream.cli", "launch", "--cpu", "--nnodes", "1:2",
         "--nproc_per_node", "1", "--machine_rank", "0" if host else "1", "--rdzv_endpoint",
         f"127.0.0.1:{port}", "--max_restarts", "3", "--rdzv_conf", RDZV_CONF,
-        "--monitor_interval", "0.2", str(SCRIPT), str(project), str(budget),
+        "--monitor_interval", "0.2", *layout, str(SCRIPT), str(project), str(budget),
     ]  # fmt: skip
     output = open(project.parent / f"launcher-{time.monotonic_ns()}.log", "w")  # noqa: SIM115
     launcher = subprocess.Popen(
@@ -81,7 +92,7 @@ def _launcher(port: int, project: Path, budget: Path, host: bool) -> subprocess.
 
 
 def _resume_at(
-    project: Path, source: Path, step: int, processes: int, until: int
+    project: Path, source: Path, step: int, processes: int, until: int, layout: list[str]
 ) -> subprocess.Popen[str]:
     """A plain (not elastic) run on ``processes`` that resumes from ``source``'s checkpoint
     of ``step`` and trains until step ``until``."""
@@ -93,7 +104,7 @@ def _resume_at(
     (project / "budget").write_text(str(until))
     command = [
         sys.executable, "-m", "slipstream.cli", "launch", "--cpu", "-n", str(processes),
-        str(SCRIPT), str(project), str(project / "budget"),
+        *layout, str(SCRIPT), str(project), str(project / "budget"),
     ]  # fmt: skip
     env = {**_environment(), "ELASTIC_TEST_STEPS": str(until)}
     return subprocess.Popen(
@@ -102,13 +113,15 @@ def _resume_at(
 
 
 @pytest.mark.timeout(240)
-def test_a_lost_machine_shrinks_the_job_and_a_new_one_grows_it(tmp_path: Path):
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_lost_machine_shrinks_the_job_and_a_new_one_grows_it(tmp_path: Path, name: str):
     project, budget, port = tmp_path / "elastic", tmp_path / "budget", free_port()
+    layout = LAYOUTS[name]
     project.mkdir()
     budget.write_text("3")
-    launchers = [_launcher(port, project, budget, host=True)]
+    launchers = [_launcher(port, project, budget, host=True, layout=layout)]
     time.sleep(0.3)  # the first launcher hosts the rendezvous store (the endpoint)
-    launchers.append(_launcher(port, project, budget, host=False))
+    launchers.append(_launcher(port, project, budget, host=False, layout=layout))
     started = time.monotonic()
     try:
         _wait_for(project, launchers, 90, event="step", step=3, world=2)
@@ -119,7 +132,8 @@ def test_a_lost_machine_shrinks_the_job_and_a_new_one_grows_it(tmp_path: Path):
         assert shrunk["step"] == 3 and shrunk["accumulation"] == 2  # global batch kept
         budget.write_text("6")
         _wait_for(project, launchers[:1], 60, event="step", step=6, world=1)
-        launchers.append(_launcher(port, project, budget, host=False))  # a machine joins
+        # A machine joins.
+        launchers.append(_launcher(port, project, budget, host=False, layout=layout))
         grown = _wait_for(project, [launchers[0], launchers[2]], 90, event="start", world=2, step=6)
         assert grown["accumulation"] == 1
         budget.write_text(str(STEPS))
@@ -139,8 +153,8 @@ def test_a_lost_machine_shrinks_the_job_and_a_new_one_grows_it(tmp_path: Path):
     # References: plain runs that resumed from the same checkpoints. From step 3 on two
     # processes (accumulation 1): the same global batches as the one process (accumulation
     # 2) of the elastic job; from step 6 on two processes: the elastic job's end, bitwise.
-    first = _resume_at(tmp_path / "ref3", project, 3, 2, 6)
-    second = _resume_at(tmp_path / "ref6", project, 6, 2, STEPS)
+    first = _resume_at(tmp_path / "ref3", project, 3, 2, 6, layout)
+    second = _resume_at(tmp_path / "ref6", project, 6, 2, STEPS, layout)
     for reference in (first, second):
         _, err = reference.communicate(timeout=120)
         assert reference.returncode == 0, err[-3000:]

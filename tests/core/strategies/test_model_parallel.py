@@ -379,6 +379,12 @@ def test_hybrid_sharding_matches_one_process_and_resumes_bitwise(tmp_path):
         timeout=240,
     )[0]
     assert _bitwise_equal(resumed["full"], first["full"])
+    # On half the processes (an elastic job that lost a machine) and under tensor parallelism.
+    smaller = run_distributed(
+        _train, "tp2", "plain", 3, kwargs={**_resume(folder), "options": UNEVEN}, world_size=2
+    )[0]
+    assert _bitwise_equal(smaller["loaded"], first["saved"])
+    assert smaller["optimizer_steps"] == [3]
 
 
 # -- a tiny transformers Llama with its own plan ---------------------------------------------
