@@ -55,7 +55,7 @@ def logs(out: Path) -> dict[str, list[dict]]:
 
 
 def recovery(quick: bool) -> None:
-    steps, sleep, every = ("30" if quick else "50"), 0.1, 4
+    steps, sleep, every = ("8" if quick else "50"), 0.1, 4
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
         result = run_fault_tolerant_job(
@@ -78,7 +78,7 @@ def recovery(quick: bool) -> None:
         rejoined_at = reborn[0]["step"]
     # Checkpoint restart: the same job ran to step `reached` with a checkpoint every 4
     # steps, then died whole; the relaunch loads the latest one and redoes the rest.
-    reached = 10
+    reached = 6 if quick else 10
     with tempfile.TemporaryDirectory() as folder:
         out, saved = Path(folder) / "first", Path(folder) / "checkpoints"
         out.mkdir()

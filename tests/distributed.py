@@ -84,6 +84,13 @@ def _child(
         if dist.is_initialized():
             dist.destroy_process_group()
     results.put(payload)
+    # The result is all the parent waits for: skip the interpreter's teardown (atexit
+    # handlers, thread joins, module cleanup: ~0.6 s per process and launch).
+    results.close()
+    results.join_thread()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def run_distributed(

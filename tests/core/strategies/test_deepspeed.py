@@ -208,7 +208,11 @@ def test_auto_values_and_placeholders_with_a_deepspeed_json(tmp_path):
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.0}},
+        # torch_adam: torch's AdamW (DeepSpeed's FusedAdam is compiled on first use, ~40 s).
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "weight_decay": 0.0, "torch_adam": True},
+        },
         "scheduler": {
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
