@@ -41,7 +41,6 @@ from ..options.kwargs import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from ..parallel import ParallelismConfig
 from ..parallel.api import ParallelMixin
 from ..precision import Precision, canonical_mode, make_precision, restore_forward
 from ..runtime import collectives
@@ -74,6 +73,7 @@ if TYPE_CHECKING:
 
     from ..data.loader import PreparedDataLoader
     from ..options.fault_tolerance import FaultToleranceKwargs
+    from ..parallel.config import ParallelismConfig
     from ..strategies.deepspeed_plugin import DeepSpeedPlugin
     from ..strategies.fsdp_plugin import FullyShardedDataParallelPlugin
     from ..strategies.megatron_plugin import MegatronLMPlugin

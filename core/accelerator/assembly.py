@@ -17,12 +17,12 @@ from ..options.kwargs import (
     KwargsHandler,
     TorchDynamoPlugin,
 )
-from ..parallel import ParallelismConfig
 from ..runtime.state import ProcessState
 from ..strategies import Strategy, available_strategies, get_strategy_class
 from .compile import check_backend, normalise_backend
 
 if TYPE_CHECKING:
+    from ..parallel.config import ParallelismConfig
     from ..strategies.deepspeed_plugin import DeepSpeedPlugin
     from ..strategies.fsdp_plugin import FullyShardedDataParallelPlugin
 

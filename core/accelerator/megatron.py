@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..callbacks.base import Callback
-from ..parallel.config import ParallelismConfig
 
 if TYPE_CHECKING:
+    from ..parallel.config import ParallelismConfig
     from ..strategies.megatron_plugin import MegatronLMPlugin
 # ..strategies.megatron_plugin is imported only where a job uses Megatron-LM's options
 # (benchmarks/startup.py: `from slipstream import Accelerator` does not load it).

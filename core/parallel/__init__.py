@@ -8,22 +8,17 @@ Example::
     accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
 """
 
-from .config import (
-    MESH_DIMS,
-    MeshSizes,
-    ParallelismConfig,
-    ParallelismConfigError,
-    TorchContextParallelConfig,
-    TorchTensorParallelConfig,
-)
-from .mesh import ParallelMesh
+from ..runtime.lazy import lazy_exports
 
-__all__ = [
-    "MESH_DIMS",
-    "MeshSizes",
-    "ParallelMesh",
-    "ParallelismConfig",
-    "ParallelismConfigError",
-    "TorchContextParallelConfig",
-    "TorchTensorParallelConfig",
-]
+# Loaded on first use: `from slipstream import Accelerator` does not need them.
+_EXPORTS = {
+    "MESH_DIMS": "config",
+    "MeshSizes": "config",
+    "ParallelMesh": "mesh",
+    "ParallelismConfig": "config",
+    "ParallelismConfigError": "errors",
+    "TorchContextParallelConfig": "config",
+    "TorchTensorParallelConfig": "config",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

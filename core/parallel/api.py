@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import ParallelismConfig, ParallelismConfigError
-
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..runtime.state import DistributedType, ProcessState
+    from .config import ParallelismConfig
     from .experts import ExpertLoad
 
 
@@ -42,6 +41,8 @@ class ParallelMixin:
     def _parallelism_config(
         self, given: ParallelismConfig | None, launch: Mapping[str, Any]
     ) -> ParallelismConfig | None:
+        from .config import ParallelismConfig  # on first use: `import slipstream` stays cheap
+
         if given is not None:
             if not isinstance(given, ParallelismConfig):
                 raise TypeError(
@@ -56,6 +57,8 @@ class ParallelMixin:
         return self.state.parallelism
 
     def _check_deepspeed_layout(self) -> None:
+        from .errors import ParallelismConfigError
+
         config = self.parallelism_config
         if config is None:
             return
