@@ -194,3 +194,28 @@ def test_hang_timeout_precedence():
     assert resolve_hang_timeout(None, {}, group, processes=1) is None
     with pytest.raises(ValueError):
         resolve_hang_timeout(-1, {}, group)
+
+
+def _late_accelerator() -> float:
+    """Rank 0 builds its Accelerator and leaves at once (its process hosts the job's store);
+    rank 1 builds its own only afterwards."""
+    import os
+
+    from slipstream import Accelerator
+    from slipstream.utils import PartialState
+
+    PartialState()  # both processes join the group
+    if os.environ["RANK"] == "1":
+        time.sleep(2.0)  # rank 0 has finished and its process is gone
+    started = time.monotonic()
+    Accelerator()
+    return time.monotonic() - started
+
+
+def test_a_peer_that_already_left_does_not_hold_up_the_accelerator():
+    # The watchdog connects to the job's store from its own thread: before, Accelerator()
+    # waited in that connection for the store's timeout (30 minutes).
+    from tests.distributed import run_distributed
+
+    seconds = run_distributed(_late_accelerator, timeout=60)
+    assert max(seconds) < 10, seconds
