@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..data.samplers import ShardedBatchSampler
 from ..runtime.state import DistributedType
 
 if TYPE_CHECKING:
@@ -97,6 +96,8 @@ class UnevenInputsMixin:
     def _override_even_batches(self, even_batches: bool | None) -> list[tuple[Any, bool]]:
         if even_batches is None:
             return []
+        from ..data.samplers import ShardedBatchSampler  # loaded with the prepared loaders
+
         restore = []
         iterable_seen = False
         for loader in self._dataloaders:
