@@ -72,6 +72,7 @@ def _child(
     kwargs: dict[str, Any],
     rank: int,
     results: Any,
+    release: Any,
 ) -> None:
     try:
         value = fn(*args, **kwargs)
@@ -84,12 +85,14 @@ def _child(
         if dist.is_initialized():
             dist.destroy_process_group()
     results.put(payload)
-    # The result is all the parent waits for: skip the interpreter's teardown (atexit
-    # handlers, thread joins, module cleanup: ~0.6 s per process and launch).
     results.close()
     results.join_thread()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    # Stay until every rank has sent its result (rank 0's process hosts the store the others
+    # may still be reading), then skip the interpreter's teardown: atexit handlers, thread
+    # joins and module cleanup cost ~0.6 s per process and launch.
+    release.wait(timeout=DEFAULT_TIMEOUT)
     os._exit(0)
 
 
@@ -109,6 +112,7 @@ def run_distributed(
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
+    release = context.Event()  # set once every result is in: the processes may end
     port = str(free_port())
     processes = []
     for rank in range(world_size):
@@ -125,7 +129,7 @@ def run_distributed(
         }
         with _environment(variables):
             process = context.Process(
-                target=_child, args=(fn, args, kwargs or {}, rank, results), daemon=True
+                target=_child, args=(fn, args, kwargs or {}, rank, results, release), daemon=True
             )
             process.start()
         processes.append(process)
@@ -155,6 +159,7 @@ def run_distributed(
                 raise AssertionError(f"rank {rank} of {fn.__name__} failed:\n{payload}")
             collected[rank] = pickle.loads(payload)
     finally:
+        release.set()
         for process in processes:
             process.join(timeout=10)
             if process.is_alive():
