@@ -76,31 +76,17 @@ def test_engines_and_layouts_it_cannot_run_are_refused_before_start(
         validate(config)
 
 
-def _deepspeed_with_fault_tolerance() -> str:
-    from slipstream import Accelerator, DeepSpeedPlugin
+def _refused_with_fault_tolerance(engine: str) -> str:
+    from slipstream import Accelerator, DeepSpeedPlugin, ParallelismConfig
 
+    layout: dict = (
+        {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=1)}
+        if engine == "deepspeed"
+        else {"parallelism_config": ParallelismConfig(pp_size=2)}
+    )
+    options = FaultToleranceKwargs(lighthouse="http://127.0.0.1:1", replica_id="replica_0")
     try:
-        Accelerator(
-            deepspeed_plugin=DeepSpeedPlugin(zero_stage=1),
-            fault_tolerance=FaultToleranceKwargs(
-                lighthouse="http://127.0.0.1:1", replica_id="replica_0"
-            ),
-        )
-    except ConfigError as error:
-        return str(error)
-    return "no error"
-
-
-def _pipeline_with_fault_tolerance() -> str:
-    from slipstream import Accelerator, ParallelismConfig
-
-    try:
-        Accelerator(
-            parallelism_config=ParallelismConfig(pp_size=2),
-            fault_tolerance=FaultToleranceKwargs(
-                lighthouse="http://127.0.0.1:1", replica_id="replica_0"
-            ),
-        )
+        Accelerator(fault_tolerance=options, **layout)
     except ConfigError as error:
         return str(error)
     return "no error"
@@ -110,8 +96,8 @@ def test_the_accelerator_refuses_deepspeed_and_pipelines_with_fault_tolerance() 
     pytest.importorskip("torchft")
     from tests.distributed import run_distributed
 
-    said = run_distributed(_pipeline_with_fault_tolerance)
+    said = run_distributed(_refused_with_fault_tolerance, "pipeline")
     assert all("does not run with pipeline parallelism (pp_size=2)" in s for s in said), said
     pytest.importorskip("deepspeed")
-    said = run_distributed(_deepspeed_with_fault_tolerance, world_size=1)
+    said = run_distributed(_refused_with_fault_tolerance, "deepspeed", world_size=1)
     assert "does not run with DeepSpeed" in said[0], said
