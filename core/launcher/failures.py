@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,7 +154,56 @@ def describe_other(outcome: ProcessOutcome, root: ProcessOutcome) -> str:
     return what + (f", then was stopped ({name})" if name else f" (exit code {outcome.exitcode})")
 
 
-def failure_summary(failures: Mapping[int, Any], world_size: int | None = None) -> str:
+def last_collectives(failures: Mapping[int, Any], flights: Mapping[int, Any]) -> list[str]:
+    """One line per failed process whose flight file (kept in the launcher's report folder,
+    see :mod:`slipstream.runtime.flight_file`) names its last collective."""
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        record = flights.get(int(getattr(failure, "pid", -1) or -1))
+        if record is None:
+            continue
+        calls = record["collectives"]
+        if not calls:
+            lines.append(f"    rank {rank}: no slipstream collective yet (step {record['step']})")
+            continue
+        last = calls[-1]
+        where = "inside" if last["finished"] is None else "last finished"
+        lines.append(
+            f"    rank {rank}: {where} {last['op']} #{last['seq']} ({last['data']}) at "
+            f"{last['site']}, after step {record['step']}"
+        )
+    return lines
+
+
+def crash_hint(
+    outcomes: Sequence[ProcessOutcome], collectives: list[str], debug: bool
+) -> list[str]:
+    """What to read and do after a crash in native code: where each process was (from the
+    flight files) and, unless already on, ``--debug``."""
+    if not any(outcome.crashed for outcome in outcomes):
+        return []
+    lines = []
+    if collectives:
+        lines += [
+            "  each process's last slipstream collective (gather, reduce, ...):",
+            *collectives,
+        ]
+    if not debug:
+        lines.append(
+            '  if its output above says "collective mismatch", the processes called different '
+            "collectives (one skipped or reordered one): rerun with `slipstream launch --debug`, "
+            "which checks each collective on every process and names the line where they differ"
+        )
+    return lines
+
+
+def failure_summary(
+    failures: Mapping[int, Any],
+    world_size: int | None = None,
+    *,
+    flights: Mapping[int, Any] | None = None,
+    debug: bool = False,
+) -> str:
     """What ``slipstream launch`` prints when processes failed: the root cause's traceback
     once, labelled with its rank, then one line per other failed process (processes with the
     same outcome share a line when there are more than :data:`MAX_LINES_PER_RANK`).
@@ -195,6 +244,7 @@ def failure_summary(failures: Mapping[int, Any], world_size: int | None = None) 
         for outcome in others:
             grouped.setdefault(describe_other(outcome, root), []).append(outcome.rank)
         lines += [f"  {describe_ranks(ranks)}: {text}" for text, ranks in grouped.items()]
+    lines += crash_hint(outcomes, last_collectives(failures, flights or {}), debug)
     return "\n".join(lines)
 
 

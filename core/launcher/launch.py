@@ -208,7 +208,11 @@ def _run(request: LaunchRequest, reports: HangReports) -> int:
                 file=sys.stderr,
             )
             return REQUEUE_EXIT_CODE
+        from ..runtime.flight_file import read_flight_files
+
         world = None if is_elastic(config) else config.num_processes  # it changes
-        print(failure_summary(failure.failures, world), file=sys.stderr)
+        flights = read_flight_files(reports.folder)
+        summary = failure_summary(failure.failures, world, flights=flights, debug=config.debug)
+        print(summary, file=sys.stderr)
         return exit_code_of(failure.failures)
     return 0

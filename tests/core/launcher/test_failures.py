@@ -150,3 +150,37 @@ def test_the_agents_own_lines_show_when_asked_for(tmp_path: Path):
     assert result.returncode == 1
     assert _agent_lines(result.stderr), result.stderr
     assert result.stderr.count("RuntimeError: boom on rank one") == 1
+
+
+# Rank 1 skips a reduce at step 2: rank 0 waits in it while rank 1's next backward starts
+# DDP's all-reduce; gloo notices the sizes differ and aborts rank 0 (SIGABRT).
+SKIPPED_COLLECTIVE = textwrap.dedent(
+    """
+    import torch
+    from slipstream import Accelerator
+
+    accelerator = Accelerator()
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(4):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if not (step == 2 and accelerator.process_index == 1):
+            accelerator.reduce(loss.detach(), "mean")
+    """
+)
+
+
+def test_a_skipped_collective_names_each_process_last_collective(tmp_path: Path):
+    script = tmp_path / "skip.py"
+    script.write_text(SKIPPED_COLLECTIVE)
+    result = run_cli("launch", "-n", "2", "--cpu", str(script), timeout=120)
+    assert result.returncode != 0
+    err = result.stderr
+    assert "a crash in native code" in err, err
+    site = f"{script}:14"
+    assert f"rank 0: inside reduce #3 (float32[]) at {site}, after step 3" in err, err
+    assert f"rank 1: last finished reduce #2 (float32[]) at {site}, after step 3" in err, err
+    assert "rerun with `slipstream launch --debug`" in err
