@@ -5,11 +5,12 @@ The launcher's failure summary then shows the traceback once, labelled with the 
 
 Usage (by the launcher)::
 
-    python -m slipstream.launcher.worker [--module] TARGET [ARGS...]
+    python -m slipstream.launcher.worker [--replica_group NAME] [--module] TARGET [ARGS...]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -18,7 +19,7 @@ import sys
 import time
 import traceback
 
-from ..runtime.env import error_file
+from ..runtime.env import error_file, fault_tolerance_environment
 from .failures import FAILURE_KEY
 from .lifecycle import watch_parent
 
@@ -75,8 +76,22 @@ def _record(error: BaseException, path: str, *, raised_at: float, by_peer: bool)
         json.dump(report, handle)
 
 
+def _finished() -> None:
+    """The script ended well: in a fault-tolerant job, mark the training finished now,
+    before this process leaves the quorum (at exit), so that a replica group restarted
+    from here on stops instead of training alone (the launcher marks it too, but only once
+    this group's agent has ended: too late for a group restarted meanwhile)."""
+    mark = fault_tolerance_environment()["finished_file"]
+    if mark:
+        with contextlib.suppress(OSError):
+            open(mark, "a").close()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--replica_group"]:
+        # Only there for `ps` to show which replica group this process belongs to.
+        args = args[2:]
     as_module = bool(args) and args[0] == "--module"
     if as_module:
         args = args[1:]
@@ -91,7 +106,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
-    except SystemExit:
+        _finished()
+    except SystemExit as stop:
+        if stop.code in (None, 0):
+            _finished()
         raise
     except KeyboardInterrupt:
         # Ctrl-C reaches every worker at once: stop quietly (the launcher reports it once)
