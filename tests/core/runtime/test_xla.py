@@ -46,7 +46,7 @@ def test_the_command_line_says_it():
     assert "- PJRT_DEVICE: TPU (but torch_xla is not installed" in shown.stdout
     launched = run_cli("launch", "--tpu", "train.py")
     assert launched.returncode == 2, launched.stderr
-    assert 'torch=={0} "torch_xla[tpu]=={0}"'.format(NEWEST_TORCH_XLA) in launched.stderr
+    assert f'torch=={NEWEST_TORCH_XLA} "torch_xla[tpu]=={NEWEST_TORCH_XLA}"' in launched.stderr
     assert "torch_xla==2.13" not in launched.stderr
     script = "from slipstream import Accelerator; Accelerator()"
     refused = run_python("-c", script, env={"PJRT_DEVICE": "TPU"})
