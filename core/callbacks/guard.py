@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import warnings
@@ -52,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Callback
+from .notes import say
 from .runner import CallbackError
 
 #: Good losses the spike check needs before it judges.
@@ -236,9 +238,11 @@ class BadStepGuard(Callback):
             return
         self.rollbacks += 1
         self.rolled_back = True
-        accelerator.print(
-            f"slipstream: BadStepGuard rolled back to {where}; "
-            f"{len(self.offending)} offending batch(es) will be left out"
+        say(
+            accelerator,
+            f"BadStepGuard rolled back to {where} (rollback {self.rollbacks}); "
+            f"{len(self.offending)} offending batch(es) will be left out",
+            logging.WARNING,
         )
 
     def _stop_message(self, step: int, limit: int) -> str:

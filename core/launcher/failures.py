@@ -65,6 +65,10 @@ class ProcessOutcome:
     #: When the worker recorded the error (seconds since the epoch), else when the agent saw it.
     time: float
     caused_by_peer: bool
+    #: The error is the user's input (a ``ConfigError``): shown as one line.
+    config_error: bool = False
+    #: ``file:line`` of the script where it was raised, when known.
+    site: str | None = None
 
     @property
     def crashed(self) -> bool:
@@ -104,6 +108,8 @@ def outcome_of(rank: int, failure: Any) -> ProcessOutcome:
         traceback=trace,
         time=float(ours.get("time", failure.timestamp)),
         caused_by_peer=bool(ours.get("caused_by_peer", False)),
+        config_error=bool(ours.get("config_error", False)),
+        site=str(ours["site"]) if ours.get("site") else None,
     )
 
 
@@ -225,7 +231,17 @@ def failure_summary(
         if root.crashed:
             header += ", a crash in native code"
     lines: list[str] = []
-    if root.traceback:
+    others = [o for o in outcomes if o.rank != root.rank]
+    if root.config_error and root.error:
+        # The user's input, like a bad flag: one line (where the script passed it), and
+        # none for the processes that raised the same or were stopped for it.
+        where = f" (at {root.site})" if root.site else ""
+        alike = all(o.error == root.error or o.error is None for o in others)
+        if alike:
+            everywhere = " on every process" if len(outcomes) > 1 else ""
+            return f"slipstream launch: {root.error}{where}{everywhere}"
+        lines.append(f"{header}: {root.error}{where}")
+    elif root.traceback:
         lines += [header + ":", root.traceback.rstrip()]
     elif root.error:
         lines += [header + ": " + root.error]
@@ -236,7 +252,6 @@ def failure_summary(
         ]
     else:
         lines += [header + " without a Python traceback (look above for its own output)"]
-    others = [o for o in outcomes if o.rank != root.rank]
     if len(others) <= MAX_LINES_PER_RANK:
         lines += [f"  rank {o.rank}: {describe_other(o, root)}" for o in others]
     else:

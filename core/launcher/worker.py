@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 
+from ..options.errors import ConfigError
 from ..runtime.env import error_file, fault_tolerance_environment
 from .failures import FAILURE_KEY
 from .lifecycle import watch_parent
@@ -57,6 +58,18 @@ def _user_traceback(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, tb))
 
 
+def _script_site(error: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of the script (outside slipstream and torch)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    site = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        name = frame.filename
+        if name.startswith(package) or "runpy" in name or f"{os.sep}site-packages{os.sep}" in name:
+            continue
+        site = f"{name}:{frame.lineno}"
+    return site
+
+
 def _record(error: BaseException, path: str, *, raised_at: float, by_peer: bool) -> None:
     """Write the error file torchrun asked for, in torchelastic's documented format, plus
     slipstream's block (when it was raised, to the sub-second, and whether a lost peer
@@ -70,7 +83,13 @@ def _record(error: BaseException, path: str, *, raised_at: float, by_peer: bool)
                 "timestamp": str(int(raised_at)),
             },
         },
-        FAILURE_KEY: {"time": raised_at, "caused_by_peer": by_peer},
+        FAILURE_KEY: {
+            "time": raised_at,
+            "caused_by_peer": by_peer,
+            # The user's input (a layout that does not fit, say): one line, not a traceback.
+            "config_error": isinstance(error, ConfigError),
+            "site": _script_site(error),
+        },
     }
     with open(path, "w") as handle:
         json.dump(report, handle)
@@ -130,8 +149,6 @@ def main(argv: list[str] | None = None) -> None:
         if by_peer:
             time.sleep(PEER_FAILURE_GRACE_SECONDS)
         _record(error, path, raised_at=raised_at, by_peer=by_peer)
-        from .config import ConfigError
-
         # A configuration error (bad parallel sizes, say) is the user's input, like a bad
         # flag: exit code 2, which the launcher passes on.
         sys.exit(2 if isinstance(error, ConfigError) else 1)

@@ -287,3 +287,19 @@ def test_sequence_parallelism_on_a_transformers_llama_is_refused_at_prepare():
         assert message is not None and "cannot run LlamaForCausalLM" in message
         assert "sequence_parallelism: true" in message and "not per-token" in message
         assert "megatron_lm_sequence_parallelism: false" in message
+
+
+def test_options_the_launcher_named_are_not_warned_about_again():
+    from types import SimpleNamespace
+
+    from slipstream.accelerator.megatron import megatron_layout
+
+    plugin = MegatronLMPlugin(eval_iters=5)
+    state = SimpleNamespace(is_main_process=True)
+    launched = {"megatron_lm_config": {"megatron_lm_eval_iters": 5}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        megatron_layout(plugin, None, None, state, launched)  # the launcher's note said it
+        assert caught == []
+        megatron_layout(plugin, None, None, state, {})  # built in the script: one warning
+    assert [w for w in caught if "eval_iters" in str(w.message)]
