@@ -31,7 +31,8 @@ def _how(outcome: Any) -> str:
     if outcome.signal_name is not None:
         return outcome.signal_name
     if outcome.error:
-        return outcome.error.split(":", 1)[0] + (" (a lost peer)" if outcome.caused_by_peer else "")
+        kind = outcome.error.split(":", 1)[0]
+        return f"lost its peers: {kind}" if outcome.caused_by_peer else kind
     return f"exit code {outcome.exitcode}"
 
 
@@ -116,7 +117,11 @@ class _Announcer:
         before, self.size = self.size, size
         if before is None or before == size:
             return
-        took = f", {time.monotonic() - self.lost_at:.0f} s after the change" if self.lost_at else ""
+        took = (
+            f", {time.monotonic() - self.lost_at:.0f} s after the workers stopped"
+            if self.lost_at
+            else ""
+        )
         announce(
             f"the job now runs on {size[0]} machine(s), {size[1]} process(es) (was "
             f"{before[0]}, {before[1]}){took}",

@@ -168,10 +168,10 @@ def test_a_lost_machine_shrinks_the_job_and_a_new_one_grows_it(tmp_path: Path, n
         r"is dropped after 5 s without heartbeats \(keep_alive_interval 1 s x "
         r"keep_alive_max_attempt 5\), and the new size is settled 1 s \(last_call_timeout\) "
         r"after the fewest machines are there",
-        r"the job now runs on 1 machine\(s\), 1 process\(es\) \(was 2, 2\), \d+ s after the change",
+        r"the job now runs on 1 machine\(s\), 1 process\(es\) \(was 2, 2\), \d+ s after the workers stopped",
         r"a machine asks to join: the workers stop and meet again at the larger size \(no "
         r"restart is used up\)",
-        r"the job now runs on 2 machine\(s\), 2 process\(es\) \(was 1, 1\), \d+ s after the change",
+        r"the job now runs on 2 machine\(s\), 2 process\(es\) \(was 1, 1\), \d+ s after the workers stopped",
         r"resumed from .+checkpoint_2 at step 3: saved by 2 process\(es\), now 1; gradient "
         r"accumulation 2 \(was 1\) keeps the global batch",
         r"resumed from .+checkpoint_5 at step 6: saved by 1 process\(es\), now 2; gradient "
