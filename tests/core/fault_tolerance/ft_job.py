@@ -96,6 +96,11 @@ def main() -> None:
     name = f"replica{replica}-rank{accelerator.process_index}-life{life}"
     log = (out / f"{name}.jsonl").open("a", buffering=1)
     (out / f"{name}.pid").write_text(str(os.getpid()))
+    # What `ps` shows of this worker and of its group's agent (its parent).
+    commands = [Path(f"/proc/{pid}/cmdline") for pid in (os.getpid(), os.getppid())]
+    if all(path.exists() for path in commands):
+        shown = [path.read_bytes().replace(b"\0", b" ").decode() for path in commands]
+        (out / f"{name}.ps").write_text("\n".join(shown))
 
     def die(grad: torch.Tensor) -> torch.Tensor:
         time.sleep(0.5)

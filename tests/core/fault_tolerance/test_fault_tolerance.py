@@ -187,6 +187,10 @@ def test_two_groups_survive_a_kill_during_the_gradient_all_reduce(tmp_path: Path
     ), said
     assert len(summaries) == 2, said
     assert "GET /checkpoint" not in result.stdout and "exitcode" not in result.stdout
+    # `ps` names each worker's group, and each group's agent.
+    shown = (tmp_path / "replica1-rank0-life1.ps").read_text().splitlines()
+    assert "slipstream.launcher.worker --replica_group replica_1 " in shown[0], shown
+    assert "slipstream.launcher.group_agent replica_1 " in shown[1], shown
 
 
 def _launcher_lines(output: str) -> list[str]:
