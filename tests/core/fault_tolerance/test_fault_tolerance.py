@@ -168,6 +168,8 @@ def test_two_groups_survive_a_kill_during_the_gradient_all_reduce(tmp_path: Path
     # What the user sees: one line per event, from the launcher, and a summary per group;
     # not torchelastic's lines nor the HTTP access log of the state transfer.
     said = _launcher_lines(result.stdout)
+    # (Besides these, a group that started a step late says it joined late.)
+    said = [line for line in said if "joined late" not in line]
     lost, rejoined, *summaries = said
     assert lost == "replica group replica_1 lost (SIGKILL) at step 3; restart 1/1", said
     assert re.fullmatch(
@@ -175,14 +177,15 @@ def test_two_groups_survive_a_kill_during_the_gradient_all_reduce(tmp_path: Path
         r"\d+\.\d s",
         rejoined,
     ), said
+    # (A group may start a step late and copy the other's state: a recovery at the start.)
     assert re.fullmatch(
-        r"replica group replica_0: finished at step (\d+); \1 steps committed, 1 discarded, "
-        r"0 recoveries from a peer, 0 restarts",
+        r"replica group replica_0: finished at step \d+; \d+ steps committed, [01] "
+        r"discarded, [01] recover(y|ies) from a peer, 0 restarts",
         summaries[0],
     ), said
     assert re.fullmatch(
         r"replica group replica_1: finished at step \d+; \d+ steps? committed, 0 discarded, "
-        r"1 recovery from a peer, 1 restart",
+        r"[12] recover(y|ies) from a peer, 1 restart",
         summaries[1],
     ), said
     assert len(summaries) == 2, said
@@ -309,7 +312,7 @@ def test_a_group_restarted_after_the_training_finished_stops(tmp_path: Path) -> 
     logs = _logs(tmp_path)
     assert [r["step"] for r in logs["replica0-rank0-life0"] if "step" in r] == [0, 1, 2, 3]
     assert logs["replica1-rank0-life1"] == [], "the restarted group trained again"
-    said = _launcher_lines(result.stdout)
+    said = [line for line in _launcher_lines(result.stdout) if "joined late" not in line]
     assert said[0] == "replica group replica_1 lost (SIGKILL) at step 4; restart 1/1", said
     assert said[1].startswith("replica group replica_1 restarted after another group finished")
     assert said[1].endswith("nothing is left to do, so it stops here (exit 0)")
