@@ -18,6 +18,7 @@ the training loss, needs matplotlib).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +27,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from slipstream import Accelerator, set_seed
 
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # the progress bar is optional
+if importlib.util.find_spec("tqdm") is not None:  # the progress bar is optional
+    # slipstream's: drawn by each machine's main process; in a log, a line every 30 s.
+    from slipstream.utils import tqdm
+else:
 
     def tqdm(iterable, **_):  # type: ignore[no-redef]
         return iterable
@@ -127,11 +129,7 @@ def main() -> None:
     losses: list[float] = []
     for epoch in range(epochs):
         model.train()
-        progress = tqdm(
-            training_dataloader,
-            desc=f"epoch {epoch}",
-            disable=not accelerator.is_local_main_process,
-        )
+        progress = tqdm(training_dataloader, desc=f"epoch {epoch}")
         for batch in progress:
             optimizer.zero_grad()
             inputs, targets = batch

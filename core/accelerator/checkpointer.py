@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -49,10 +48,11 @@ from ..checkpoint.layout import (
 from ..checkpoint.names import indexed_name
 from ..checkpoint.rng import capture_rng_states, restore_rng_states
 from ..checkpoint.storage import Storage
-from ..optim.elastic import resumed_micro_steps
+from ..optim.elastic import describe_resize, resumed_micro_steps
 from ..optim.step import StepState
 from ..options.kwargs import ProjectConfiguration
 from ..runtime import collectives
+from ..runtime.events import announce
 from ..runtime.state import ProcessState
 from ..strategies.base import Strategy
 
@@ -347,6 +347,11 @@ class Checkpointer:
         )
         if rng is not None:
             restore_rng_states(rng)  # last: nothing after this draws random numbers
+        saved_by = int(reader.manifest["num_processes"])
+        if saved_by != self.state.num_processes and self.state.is_main_process:
+            announce(
+                describe_resize(url, step, saved_by, self.state.num_processes, objects.step_state)
+            )
         return url
 
     def _open(self, source: str) -> CheckpointReader:
@@ -446,13 +451,7 @@ class Checkpointer:
     def _rng_states(self, reader: CheckpointReader, manifest: dict[str, Any]) -> Any:
         name = f"random_states_{self.state.process_index}.pkl"
         if not reader.storage.exists(reader.path(name)):
-            warnings.warn(
-                f"{reader.storage.url(reader.folder)} was saved by {manifest['num_processes']} "
-                f"process(es) and has no RNG state for process {self.state.process_index}; its "
-                "random number generators keep their current state",
-                stacklevel=3,
-            )
-            return None
+            return None  # a process the checkpoint did not have: the resume line says so
         return reader.load_object(name, "random states")
 
 

@@ -53,7 +53,8 @@ def megatron_layout(
     launch: Mapping[str, Any],
 ) -> ParallelismConfig:
     """The ``ParallelismConfig`` the plugin asks for; refuses a second layout. The options
-    without an equivalent are named in one warning (by the main process)."""
+    without an equivalent are named in one warning (by the main process), unless the
+    launcher read them from its config and named them in its note."""
     from ..strategies.megatron_plugin import MegatronLMConfigError
 
     if parallelism_config is not None or launch.get("parallelism_config"):
@@ -68,7 +69,10 @@ def megatron_layout(
             "pipeline parallelism with FSDP2; pass one of them"
         )
     message = plugin.ignored_message()
-    if message and state.is_main_process:
+    # Read from the launcher's megatron_lm_config block: `slipstream launch` has said it in
+    # its own note already (once is enough).
+    from_launcher = bool(launch.get("megatron_lm_config"))
+    if message and state.is_main_process and not from_launcher:
         warnings.warn(message, stacklevel=3)
     return plugin.to_parallelism_config()
 

@@ -12,6 +12,7 @@ from .runner import CallbackError, CallbackRunner
 
 _EXPORTS = {
     "BadStepGuard": "guard",
+    "BadStepError": "guard",
     "EarlyStopping": "builtin",
     "GradientNormMonitor": "builtin",
     "StragglerMonitor": "stragglers",
@@ -20,6 +21,7 @@ _EXPORTS = {
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
+    "BadStepError",
     "BadStepGuard",
     "Callback",
     "CallbackError",

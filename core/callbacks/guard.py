@@ -10,6 +10,12 @@ do not step). After ``max_bad_steps`` bad steps within ``window`` steps, or a lo
 committed checkpoint (``load_state("latest")``: model, optimizer, scheduler, RNG and data
 position) and goes on without the batches of the bad steps.
 
+A rollback that makes no progress (the bad steps come back by the same step whatever batches
+are left out: a divergence the data does not cause) is not tried forever: after
+``max_rollbacks_without_progress`` of them every process stops with :class:`BadStepError`,
+naming the step, the rollbacks done and what to change, instead of leaving out batch after
+batch until the data runs out and the run "ends" short of its work.
+
 Resuming at the checkpoint's data position needs the pass over the data to start again:
 iterate through the guard, ``for batch in guard.iterate(loader)``, which does that and leaves
 out the offending batches. (Without it the rollback restores the training state and training
@@ -35,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import warnings
@@ -46,9 +53,16 @@ import torch
 import torch.distributed as dist
 
 from .base import Callback
+from .notes import say
+from .runner import CallbackError
 
 #: Good losses the spike check needs before it judges.
 MIN_HISTORY = 3
+
+
+class BadStepError(CallbackError):
+    """BadStepGuard stopped the run: rolling back did not get training past a bad step.
+    Raised on every process alike (the decision is the same everywhere)."""
 
 
 class BadStepGuard(Callback):
@@ -61,6 +75,10 @@ class BadStepGuard(Callback):
         spike_factor: a loss above this times the median of the last ``window`` good losses
             is a spike: rolled back at once (``None``: no spike check).
         check_gradients: also look for non-finite gradients (the loss alone otherwise).
+        max_rollbacks_without_progress: rollbacks in a row that did not get training past
+            the step where the previous one was called for; one more stops the run with
+            :class:`BadStepError` (``None``: never stop). A rollback called for with no
+            checkpoint to go back to counts as one.
     """
 
     def __init__(
@@ -69,15 +87,22 @@ class BadStepGuard(Callback):
         window: int = 100,
         spike_factor: float | None = None,
         check_gradients: bool = True,
+        max_rollbacks_without_progress: int | None = 3,
     ) -> None:
         if window < 1 or (max_bad_steps is not None and max_bad_steps < 1):
             raise ValueError("BadStepGuard needs window >= 1 and max_bad_steps >= 1 (or None)")
+        if max_rollbacks_without_progress is not None and max_rollbacks_without_progress < 1:
+            raise ValueError(
+                "BadStepGuard(max_rollbacks_without_progress=...) must be 1 or more (or None "
+                f"to never stop), got {max_rollbacks_without_progress}"
+            )
         if spike_factor is not None and spike_factor <= 1:
             raise ValueError(f"spike_factor must be above 1, got {spike_factor}")
         self.max_bad_steps = max_bad_steps
         self.window = window
         self.spike_factor = spike_factor
         self.check_gradients = check_gradients
+        self.max_rollbacks_without_progress = max_rollbacks_without_progress
         #: Steps skipped (non-finite or spiking), and rollbacks done, over the whole run.
         self.skipped_steps = 0
         self.rollbacks = 0
@@ -94,6 +119,11 @@ class BadStepGuard(Callback):
         self._cycle: list[tuple[int, int]] = []  # data positions of the current step
         #: Data positions ``(epoch, batch)`` of the batches of bad steps: left out.
         self.offending: set[tuple[int, int]] = set()
+        #: The optimizer step at which the last rollback was called for, and how many
+        #: rollbacks in a row have not got training past it.
+        self._rollback_step: int | None = None
+        self._stuck_rollbacks = 0
+        self._no_checkpoint = False
 
     # -- hooks ---------------------------------------------------------------------------
     def on_before_backward(self, accelerator: Any, loss: Any) -> None:
@@ -187,8 +217,17 @@ class BadStepGuard(Callback):
         return bad, spike, loss
 
     def _rollback(self, accelerator: Any) -> None:
+        step = int(accelerator.step)
+        if self._rollback_step is None or step > self._rollback_step:
+            self._stuck_rollbacks = 0  # training got past the last one: it helped
+        self._rollback_step = step
+        limit = self.max_rollbacks_without_progress
+        if limit is not None and self._stuck_rollbacks >= limit:
+            raise BadStepError(self._stop_message(step, limit))
+        self._stuck_rollbacks += 1
         accelerator.wait_for_checkpoint()
         where = accelerator.load_state("latest")
+        self._no_checkpoint = where is None
         if where is None:
             warnings.warn(
                 "BadStepGuard: the bad steps call for a rollback, but there is no committed "
@@ -199,9 +238,34 @@ class BadStepGuard(Callback):
             return
         self.rollbacks += 1
         self.rolled_back = True
-        accelerator.print(
-            f"slipstream: BadStepGuard rolled back to {where}; "
-            f"{len(self.offending)} offending batch(es) will be left out"
+        say(
+            accelerator,
+            f"BadStepGuard rolled back to {where} (rollback {self.rollbacks}); "
+            f"{len(self.offending)} offending batch(es) will be left out",
+            logging.WARNING,
+        )
+
+    def _stop_message(self, step: int, limit: int) -> str:
+        if self._no_checkpoint:
+            what = (
+                f"kept coming at step {step} ({limit} rollback(s) in a row were called for, "
+                "but there is no committed checkpoint to go back to: save_state with "
+                "ProjectConfiguration(automatic_checkpoint_naming=True) makes one)"
+            )
+        else:
+            what = (
+                f"came back at step {step} after {limit} rollback(s) in a row that made no progress"
+            )
+        return (
+            f"BadStepGuard stopped the run at step {step}: bad steps (non-finite or spiking "
+            f"loss or gradients) {what}; {self.rollbacks} rollback(s) and {self.skipped_steps} "
+            f"skipped step(s) in the whole run, {len(self.offending)} batch(es) left out. "
+            "Leaving out more batches does not help when the divergence is not caused by the "
+            "data: lower the learning rate or warm it up longer, clip gradients "
+            "(accelerator.clip_grad_norm_), use bf16 instead of fp16, or check the model "
+            "for an unstable operation; resume from the last checkpoint once changed. To "
+            "allow more attempts: BadStepGuard(max_rollbacks_without_progress="
+            f"{limit * 2})"
         )
 
     # -- the data ------------------------------------------------------------------------

@@ -12,10 +12,14 @@ timed by ``accelerator.backward``, each batch of a prepared dataloader as it is 
   moment a prepared dataloader hands the batch over);
 * ``local``: the step minus the backward pass (where the others wait for the slowest).
 
-Every ``log_every_n_steps`` optimizer steps the processes exchange their averages over the
-window (one all-gather of three numbers; none on the other steps). A process whose ``local``
-time exceeds ``factor`` times the median of the others' (by at least ``min_seconds``) is
-named in a warning printed by the main process, and the figures go to the trackers:
+Every ``log_every_n_steps`` optimizer steps (at the steps that are multiples of it, as
+:class:`~slipstream.callbacks.throughput.ThroughputMonitor` logs, so their rows meet) the
+processes exchange their averages over the window (one all-gather of three numbers; none on
+the other steps). A process whose ``local`` time exceeds ``factor`` times the median of the
+others' (by at least ``min_seconds``) is a straggler. One short line (through
+:func:`~slipstream.callbacks.notes.say`: the ``slipstream.monitors`` logger, else stdout)
+says when the stragglers change — a process becomes one, or none is left — not every
+window; the figures of every window go to the trackers:
 ``straggler/step_seconds``, ``straggler/data_seconds``, ``straggler/local_seconds_median``,
 ``straggler/local_seconds_max``, ``straggler/slowest_process`` and ``straggler/slowdown``.
 
@@ -29,9 +33,9 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import socket
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -40,6 +44,7 @@ import torch
 from ..runtime.collectives import gather, gather_object
 from ..runtime.flight import PROGRESS
 from .base import Callback
+from .notes import say
 
 
 class StragglerMonitor(Callback):
@@ -95,7 +100,9 @@ class StragglerMonitor(Callback):
         sums[1] += data
         sums[2] += step - in_backward
         self._steps += 1
-        if self._steps >= self.log_every_n_steps:
+        # At the multiples of the window (a first, shorter one joins the next).
+        every = self.log_every_n_steps
+        if accelerator.step % every == 0 and self._steps >= every:
             self._report(accelerator)
 
     def _watch_loaders(self, accelerator: Any) -> None:
@@ -125,7 +132,7 @@ class StragglerMonitor(Callback):
         rows = gather(means.unsqueeze(0), state=state).tolist()
         self.last_table = [(float(a), float(b), float(c)) for a, b, c in rows]
         local = [row[2] for row in self.last_table]
-        self.stragglers = []
+        before, self.stragglers = self.stragglers, []
         slowdowns: list[float] = []
         for rank, value in enumerate(local):
             others = local[:rank] + local[rank + 1 :]
@@ -147,17 +154,20 @@ class StragglerMonitor(Callback):
             },
             step=accelerator.step,
         )
-        if state.is_main_process:
-            for rank in self.stragglers:
-                step, data, own = self.last_table[rank]
-                host = f" on {self._hosts[rank]}" if self._hosts else ""
-                others = local[:rank] + local[rank + 1 :]
-                print(
-                    f"slipstream: straggler: process {rank}{host} spends {own:.4f} s per step "
-                    f"outside the backward pass, {slowdowns[rank]:.1f}x the others' median "
-                    f"{statistics.median(others):.4f} s (of it waiting for data and between "
-                    f"steps: {data:.4f} s; step {step:.4f} s) over the last "
-                    f"{self.log_every_n_steps} steps",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        if self.stragglers != before:
+            say(accelerator, self._describe(before, slowdowns, local), logging.WARNING)
+
+    def _describe(self, before: list[int], slowdowns: list[float], local: list[float]) -> str:
+        """One line on the stragglers of the last window (when they changed)."""
+        if not self.stragglers:
+            return f"stragglers: none any more (was process(es) {before})"
+        parts = []
+        for rank in self.stragglers:
+            _, data, own = self.last_table[rank]
+            host = f" ({self._hosts[rank]})" if self._hosts else ""
+            median = statistics.median(local[:rank] + local[rank + 1 :])
+            parts.append(
+                f"process {rank}{host} {slowdowns[rank]:.1f}x: {own:.4f} s per step outside "
+                f"backward vs {median:.4f} s (data {data:.4f} s)"
+            )
+        return f"straggler: {'; '.join(parts)}"

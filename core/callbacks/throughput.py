@@ -14,9 +14,14 @@
   or ``peak_flops="measure"`` (a matmul benchmark, e.g. for CPUs). Without a peak (CPUs)
   the achieved FLOP/s per device is logged alone.
 
-Logged: ``throughput/step_seconds``, ``throughput/samples_per_second``,
+Logged at the optimizer steps that are multiples of ``log_every_n_steps`` (as
+:class:`~slipstream.callbacks.stragglers.StragglerMonitor` logs: their rows meet):
+``throughput/step_seconds``, ``throughput/samples_per_second``,
 ``throughput/tokens_per_second``, ``throughput/flops_per_step`` (the whole job's),
-``throughput/flops_per_second`` (per device) and ``throughput/mfu``.
+``throughput/flops_per_second`` (per device) and ``throughput/mfu``. The same figures of the
+last window are in ``monitor.last_values`` (a dict, on every process). Without a tracker
+(``Accelerator(log_with=...)``) the monitor says so once and prints one short line per
+window instead (:func:`~slipstream.callbacks.notes.say`).
 
 Example::
 
@@ -40,6 +45,7 @@ from ..diagnostics.flops import (
     transformer_flops_per_token,
 )
 from .base import Callback
+from .notes import say
 
 
 def _tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
@@ -86,6 +92,7 @@ class ThroughputMonitor(Callback):
         self._counter: StepFlopCounter | None = None
         self._counted = False
         self._restart = False
+        self._told = False  # said that there is no tracker
 
     # -- per call and per step -----------------------------------------------------------
     def _forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -113,7 +120,9 @@ class ThroughputMonitor(Callback):
             return
         self._tokens += tokens
         self._steps += 1
-        if self._steps >= self.log_every_n_steps:
+        # At the multiples of the window (a first, shorter one joins the next).
+        every = self.log_every_n_steps
+        if accelerator.step % every == 0 and self._steps >= every:
             self._log(accelerator, now)
 
     def _attach(self, accelerator: Any) -> None:
@@ -170,7 +179,29 @@ class ThroughputMonitor(Callback):
                 values["throughput/mfu"] = per_device / peak
         self.last_values = values
         accelerator.log(values, step=accelerator.step)
+        if not accelerator.trackers:
+            self._print(accelerator, values)
         self._last, self._steps, self._tokens = now, 0, 0
+
+    def _print(self, accelerator: Any, values: dict[str, float]) -> None:
+        """No tracker to log to: one short line per window (the first says why)."""
+        if not self._told:
+            self._told = True
+            say(
+                accelerator,
+                "ThroughputMonitor: no tracker to log to (Accelerator(log_with=...)); "
+                f"printing its figures every {self.log_every_n_steps} steps (also in "
+                "monitor.last_values)",
+            )
+        parts = [f"{values['throughput/step_seconds']:.4f} s/step"]
+        for key, unit in (("samples_per_second", "samples/s"), ("tokens_per_second", "tokens/s")):
+            if f"throughput/{key}" in values:
+                parts.append(f"{values[f'throughput/{key}']:.1f} {unit}")
+        if "throughput/flops_per_second" in values:
+            parts.append(f"{values['throughput/flops_per_second']:.3g} FLOP/s per device")
+        if "throughput/mfu" in values:
+            parts.append(f"MFU {values['throughput/mfu']:.1%}")
+        say(accelerator, f"throughput at step {accelerator.step}: {', '.join(parts)}")
 
     def _peak(self, accelerator: Any) -> float | None:
         if self.peak_flops == "measure":

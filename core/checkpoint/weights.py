@@ -167,7 +167,9 @@ def _progress(items: Any, enabled: bool, total: int) -> Any:
         from tqdm.auto import tqdm
     except ImportError:
         return items
-    return tqdm(items, total=total, desc="writing weights", unit="file")
+    from ..runtime.progress import bar_options
+
+    return tqdm(items, **bar_options({"total": total, "desc": "writing weights", "unit": "file"}))
 
 
 def _cast(part: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -66,11 +66,13 @@ def _xla_lines() -> list[str]:
     from ..runtime.xla import runtime_description, wants_xla
 
     info = runtime_description()
-    lines = [f"- torch_xla version: {info.pop('torch_xla')}"]
-    if "PJRT_DEVICE" in info:
-        used = wants_xla({}, cpu=False)
-        lines.append(f"- XLA runtime: {'used' if used else 'not used'} by default")
-        lines += [f"  - {name}: {value}" for name, value in info.items()]
+    version = info.pop("torch_xla")
+    lines = [f"- torch_xla version: {version}"]
+    if version == "not installed":
+        return [*lines, f"- PJRT_DEVICE: {info['PJRT_DEVICE']}"]
+    used = wants_xla({}, cpu=False)
+    lines.append(f"- XLA runtime: {'used' if used else 'not used'} by default")
+    lines += [f"  - {name}: {value}" for name, value in info.items()]
     return lines
 
 

@@ -107,7 +107,10 @@ def main() -> int:
         try:
             from tqdm.auto import tqdm
 
-            checks = tqdm(CHECKS, desc="sanity checks", unit="check", leave=False)
+            from ..runtime.progress import bar_options
+
+            options = bar_options({"desc": "sanity checks", "unit": "check", "leave": False})
+            checks = tqdm(CHECKS, **options)
         except ImportError:
             pass
     for name, check in checks:

@@ -38,8 +38,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..runtime.env import debug_watchdog, hang_timeout_from_environment, report_dir
+from ..runtime.env import (
+    debug_watchdog,
+    fault_tolerance_environment,
+    hang_timeout_from_environment,
+    report_dir,
+)
 from ..runtime.flight import COLLECTIVES, PROGRESS, on_timeout
+from ..runtime.flight_file import open_flight_file
 from ..runtime.state import ProcessState
 
 # The report's parts (flight_recorder, hang_report, stacks) are imported when the watchdog
@@ -403,6 +409,9 @@ def watch_for_hangs(
     and start the watchdog; ``project`` is its ``ProjectConfiguration`` (reports go to its
     ``project_dir``)."""
     timeout = resolve_hang_timeout(requested, launch, state.timeout, state.num_processes)
+    if state.num_processes > 1 or fault_tolerance_environment()["replica_id"]:
+        # Kept where the launcher reads it when this process crashes or is killed.
+        open_flight_file(state.process_index, report_dir())
     return start_hang_watchdog(state, timeout, lambda: getattr(project, "project_dir", None))
 
 

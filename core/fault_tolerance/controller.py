@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import logging
 import socket
-import threading
 import time
 import warnings
 from datetime import timedelta
@@ -44,11 +43,11 @@ from ..optim.step import StepState
 from ..options.errors import ConfigError
 from ..options.fault_tolerance import FaultToleranceKwargs, unsupported_layout
 from ..runtime.env import fault_tolerance_environment
+from ..runtime.events import announce
 from ..runtime.state import ProcessState
-from . import recovery
+from . import recovery, reporting
 from .gradients import GradientAverager
-
-log = logging.getLogger(__name__)
+from .quorum import QuorumThread
 
 if TYPE_CHECKING:
     from ..optim.optimizer import AcceleratedOptimizer
@@ -169,6 +168,8 @@ class FaultTolerance:
         self.steps_committed = 0
         self.steps_discarded = 0
         self.recoveries = 0
+        #: Restarted after another group had finished the training, so it stopped.
+        self.stopped_finished = False
         #: Seconds the last step waited for its quorum (a survivor waits here for a dead
         #: peer to time out).
         self.last_quorum_seconds = 0.0
@@ -177,7 +178,7 @@ class FaultTolerance:
         #: Whether the next step's quorum was asked for in the background.
         self._quorum_asked = False
         self.manager = self._build_manager()
-        self._quorum_thread = _QuorumThread(self.manager)
+        self._quorum_thread = QuorumThread(self.manager)
         self.gradients = GradientAverager(
             self.manager, self._pg, overlap=self.state.num_processes == 1
         )
@@ -227,6 +228,7 @@ class FaultTolerance:
         )
         manager.register_state_dict_fn("slipstream", self._receive_state, self._state)
         _quiet_torchft()
+        reporting.quiet_checkpoint_server(manager)
         atexit.register(self.shutdown)
         return manager
 
@@ -234,6 +236,16 @@ class FaultTolerance:
         """Leave the job: stop the manager's servers (also at interpreter exit)."""
         manager, self.manager = self.manager, None
         if manager is not None:
+            if self.state.process_index == 0:
+                reporting.leave_summary(
+                    self.replica_id,
+                    self.state.launch.restart_count,
+                    int(manager.current_step()),
+                    self.steps_committed,
+                    self.steps_discarded,
+                    self.recoveries,
+                    self.stopped_finished,
+                )
             manager.allow_state_dict_read()  # a peer may be copying our state
             if self._quorum_asked:
                 # Let the quorum asked for in the background finish (the other groups asked
@@ -292,6 +304,15 @@ class FaultTolerance:
         if received is not None:  # healed from a peer: its state is ours now
             self._load_state(received)
             self.recoveries += 1
+            life = self.state.launch.restart_count
+            if self.state.process_index == 0 and (life > 0 or self.current_step() > 0):
+                reporting.rejoined(
+                    self.replica_id,
+                    life,
+                    self.current_step(),
+                    received.get("replica_id"),
+                    self.last_quorum_seconds,
+                )
         self.step_open = True
         self._commit = None
         self.gradients.build(self.models)
@@ -318,21 +339,23 @@ class FaultTolerance:
             import torch.distributed as dist
 
             dist.broadcast_object_list(finished, src=0)
+        speaks = self.state.process_index == 0
+        self.stopped_finished = bool(finished[0])
         if finished[0]:
-            log.warning(
-                "fault tolerance: replica group %s restarted after another group finished "
-                "the training; nothing is left to do, so it stops here",
-                self.replica_id,
-            )
+            if speaks:
+                announce(
+                    f"replica group {self.replica_id} restarted after another group finished "
+                    "the training; nothing is left to do, so it stops here (exit 0)"
+                )
             self.shutdown()
             raise SystemExit(0)
-        log.warning(
-            "fault tolerance: replica group %s restarted and found no live replica group to "
-            "recover from; it goes on alone from step %d (its own state: the checkpoint the "
-            "script loaded with load_state, else its initial weights)",
-            self.replica_id,
-            self.current_step(),
-        )
+        if speaks:
+            announce(
+                f"replica group {self.replica_id} restarted and found no live replica group "
+                f"to recover from; it goes on alone from step {self.current_step()} (its own "
+                "state: the checkpoint the script loaded with load_state, else its initial "
+                "weights)"
+            )
 
     def data_coordinates(self) -> tuple[int, int]:
         """``(index, count)`` of this process among the data-parallel processes of the
@@ -390,6 +413,7 @@ class FaultTolerance:
             "loaders": [loader.position() for loader in self.loaders],
             "rng": recovery.rng_state(),
             "optimizer_steps": steps,
+            "replica_id": self.replica_id,
         }
 
     def _receive_state(self, state: dict[str, Any]) -> None:
@@ -441,39 +465,3 @@ class FaultToleranceHooks(Callback):
     def on_before_optimizer_step(self, accelerator: Any, optimizer: Any) -> None:
         if not self.controller.should_commit():
             accelerator.coordinator.skip_step = True
-
-
-class _QuorumThread:
-    """Runs ``manager.start_quorum()`` (torchft's synchronous quorum: a group that is behind
-    heals in it) on a thread of its own, one at a time: :meth:`ask` starts one, :meth:`wait`
-    waits for it and raises its error. A daemon, so a quorum still out does not hold the
-    interpreter at exit."""
-
-    def __init__(self, manager: Any) -> None:
-        self._manager = manager
-        self._asked = threading.Event()
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="slipstream-ft-quorum", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self._asked.wait()
-            self._asked.clear()
-            try:
-                self._manager.start_quorum()
-            except BaseException as error:  # handed to the training thread by wait()
-                self._error = error
-            self._done.set()
-
-    def ask(self) -> None:
-        self._done.clear()
-        self._error = None
-        self._asked.set()
-
-    def wait(self, timeout: float | None = None, *, quiet: bool = False) -> None:
-        self._done.wait(timeout)
-        error, self._error = self._error, None
-        if error is not None and not quiet:
-            raise error

@@ -407,6 +407,7 @@ def _parallelism_message(text: str) -> str:
     """ParallelismConfig's message in config-file terms: every option under the
     ``parallelism_config_`` key the user wrote in the file or on the command line."""
     text = _BARE_PARALLEL_OPTION.sub(r"parallelism_config_\1", text)
+    text = re.sub(r"\ban (?=parallelism_config_)", "a ", text)  # "an ep_size" -> "a ..."
     return text if text.startswith("parallelism_config:") else f"parallelism_config: {text}"
 
 

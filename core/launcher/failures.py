@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,10 @@ class ProcessOutcome:
     #: When the worker recorded the error (seconds since the epoch), else when the agent saw it.
     time: float
     caused_by_peer: bool
+    #: The error is the user's input (a ``ConfigError``): shown as one line.
+    config_error: bool = False
+    #: ``file:line`` of the script where it was raised, when known.
+    site: str | None = None
 
     @property
     def crashed(self) -> bool:
@@ -104,6 +108,8 @@ def outcome_of(rank: int, failure: Any) -> ProcessOutcome:
         traceback=trace,
         time=float(ours.get("time", failure.timestamp)),
         caused_by_peer=bool(ours.get("caused_by_peer", False)),
+        config_error=bool(ours.get("config_error", False)),
+        site=str(ours["site"]) if ours.get("site") else None,
     )
 
 
@@ -154,7 +160,56 @@ def describe_other(outcome: ProcessOutcome, root: ProcessOutcome) -> str:
     return what + (f", then was stopped ({name})" if name else f" (exit code {outcome.exitcode})")
 
 
-def failure_summary(failures: Mapping[int, Any], world_size: int | None = None) -> str:
+def last_collectives(failures: Mapping[int, Any], flights: Mapping[int, Any]) -> list[str]:
+    """One line per failed process whose flight file (kept in the launcher's report folder,
+    see :mod:`slipstream.runtime.flight_file`) names its last collective."""
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        record = flights.get(int(getattr(failure, "pid", -1) or -1))
+        if record is None:
+            continue
+        calls = record["collectives"]
+        if not calls:
+            lines.append(f"    rank {rank}: no slipstream collective yet (step {record['step']})")
+            continue
+        last = calls[-1]
+        where = "inside" if last["finished"] is None else "last finished"
+        lines.append(
+            f"    rank {rank}: {where} {last['op']} #{last['seq']} ({last['data']}) at "
+            f"{last['site']}, after step {record['step']}"
+        )
+    return lines
+
+
+def crash_hint(
+    outcomes: Sequence[ProcessOutcome], collectives: list[str], debug: bool
+) -> list[str]:
+    """What to read and do after a crash in native code: where each process was (from the
+    flight files) and, unless already on, ``--debug``."""
+    if not any(outcome.crashed for outcome in outcomes):
+        return []
+    lines = []
+    if collectives:
+        lines += [
+            "  each process's last slipstream collective (gather, reduce, ...):",
+            *collectives,
+        ]
+    if not debug:
+        lines.append(
+            '  if its output above says "collective mismatch", the processes called different '
+            "collectives (one skipped or reordered one): rerun with `slipstream launch --debug`, "
+            "which checks each collective on every process and names the line where they differ"
+        )
+    return lines
+
+
+def failure_summary(
+    failures: Mapping[int, Any],
+    world_size: int | None = None,
+    *,
+    flights: Mapping[int, Any] | None = None,
+    debug: bool = False,
+) -> str:
     """What ``slipstream launch`` prints when processes failed: the root cause's traceback
     once, labelled with its rank, then one line per other failed process (processes with the
     same outcome share a line when there are more than :data:`MAX_LINES_PER_RANK`).
@@ -176,7 +231,17 @@ def failure_summary(failures: Mapping[int, Any], world_size: int | None = None) 
         if root.crashed:
             header += ", a crash in native code"
     lines: list[str] = []
-    if root.traceback:
+    others = [o for o in outcomes if o.rank != root.rank]
+    if root.config_error and root.error:
+        # The user's input, like a bad flag: one line (where the script passed it), and
+        # none for the processes that raised the same or were stopped for it.
+        where = f" (at {root.site})" if root.site else ""
+        alike = all(o.error == root.error or o.error is None for o in others)
+        if alike:
+            everywhere = " on every process" if len(outcomes) > 1 else ""
+            return f"slipstream launch: {root.error}{where}{everywhere}"
+        lines.append(f"{header}: {root.error}{where}")
+    elif root.traceback:
         lines += [header + ":", root.traceback.rstrip()]
     elif root.error:
         lines += [header + ": " + root.error]
@@ -187,7 +252,6 @@ def failure_summary(failures: Mapping[int, Any], world_size: int | None = None) 
         ]
     else:
         lines += [header + " without a Python traceback (look above for its own output)"]
-    others = [o for o in outcomes if o.rank != root.rank]
     if len(others) <= MAX_LINES_PER_RANK:
         lines += [f"  rank {o.rank}: {describe_other(o, root)}" for o in others]
     else:
@@ -195,6 +259,7 @@ def failure_summary(failures: Mapping[int, Any], world_size: int | None = None) 
         for outcome in others:
             grouped.setdefault(describe_other(outcome, root), []).append(outcome.rank)
         lines += [f"  {describe_ranks(ranks)}: {text}" for text, ranks in grouped.items()]
+    lines += crash_hint(outcomes, last_collectives(failures, flights or {}), debug)
     return "\n".join(lines)
 
 

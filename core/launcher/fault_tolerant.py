@@ -6,6 +6,12 @@ The launcher starts a torchft lighthouse unless the configuration names one
 (``replica_0`` ...) and the lighthouse's address, and ends when every group has ended: with
 0 when any group finished its training, else with the first failing group's code.
 
+What happens to the groups is said once each, as it happens (:mod:`slipstream.runtime.events`):
+a group lost (by its agent, :mod:`~slipstream.launcher.group_agent`), a group rejoining (by
+the group), and at the end one summary line per group. A group that finishes marks the job
+finished itself before it leaves the quorum (a restarted group then stops instead of
+training alone); the launcher marks it too once a group's agent ended with 0.
+
 Example::
 
     slipstream launch --cpu -n 4 --fault_tolerance --ft_replica_groups 2 --max_restarts 3 train.py
@@ -35,6 +41,11 @@ from ..runtime.env import (
     is_set,
 )
 from .config import LaunchConfig
+from .group_agent import group_command
+from .reports import HangReports
+
+#: The entry point torchrun starts for each worker (see launch._torchrun_parts).
+WORKER_MODULE = "slipstream.launcher.worker"
 
 
 def group_configs(config: LaunchConfig) -> tuple[int, LaunchConfig]:
@@ -53,11 +64,13 @@ def group_configs(config: LaunchConfig) -> tuple[int, LaunchConfig]:
 
 
 def launch_fault_tolerant(
-    request: Any, extra: dict[str, str], torchrun_arguments: Callable[[LaunchConfig], list[str]]
+    request: Any,
+    extra: dict[str, str],
+    torchrun_parts: Callable[[LaunchConfig], tuple[list[str], str, list[str]]],
 ) -> int:
     """Run ``request`` (a :class:`~slipstream.launcher.launch.LaunchRequest`) as replica
-    groups; ``extra`` are the variables every worker gets, ``torchrun_arguments`` gives
-    torchrun's arguments for one group's configuration."""
+    groups; ``extra`` are the variables every worker gets, ``torchrun_parts`` gives
+    torchrun's flags, entry point and its arguments for one group's configuration."""
     config: LaunchConfig = request.config
     if config.num_machines > 1:
         raise ValueError(
@@ -78,10 +91,11 @@ def launch_fault_tolerant(
             join_timeout=float(block.get("join_timeout") or 5.0),
         ).start()
         address = lighthouse.address
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_arguments(group_config)]
+    flags, entry, entry_args = torchrun_parts(group_config)
     # Created once a group finished: a group restarted later stops instead of starting over.
     scratch = None if extra.get(REPORT_DIR_VARIABLE) else tempfile.mkdtemp(prefix="slipstream-ft-")
-    finished = Path(extra.get(REPORT_DIR_VARIABLE) or str(scratch)) / "ft-finished"
+    folder = Path(extra.get(REPORT_DIR_VARIABLE) or str(scratch))
+    finished = folder / "ft-finished"
     children: list[subprocess.Popen[bytes]] = []
     # torchft's manager logs every quorum and vote at INFO; --verbose (or RUST_LOG) shows them.
     quiet = {} if config.verbose or is_set("RUST_LOG") else {"RUST_LOG": "warn"}
@@ -92,11 +106,13 @@ def launch_fault_tolerant(
                 child.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    reports = HangReports(folder).__enter__()  # prints the groups' events as they come
     try:
         for index in range(groups):
             env = child_environment(
                 {
                     **extra,
+                    REPORT_DIR_VARIABLE: str(folder),
                     LAUNCH_CONFIG_VARIABLE: json.dumps(settings, sort_keys=True),
                     FT_REPLICA_ID_VARIABLE: f"replica_{index}",
                     FT_LIGHTHOUSE_VARIABLE: str(address),
@@ -104,6 +120,10 @@ def launch_fault_tolerant(
                     **quiet,
                 }
             )
+            arguments = entry_args
+            if entry == WORKER_MODULE:  # `ps` shows the group of each worker
+                arguments = ["--replica_group", f"replica_{index}", *entry_args]
+            command = group_command(f"replica_{index}", flags, entry, arguments)
             children.append(subprocess.Popen(command, env=env))
         while any(child.poll() is None for child in children):
             if not finished.exists() and any(child.poll() == 0 for child in children):
@@ -121,9 +141,12 @@ def launch_fault_tolerant(
             signal.signal(sig, handler)
         if lighthouse is not None:
             lighthouse.stop()
+        reports.__exit__(None, None, None)
+        codes = [child.returncode for child in children]
+        for line in group_summaries(folder, codes):
+            print(f"slipstream launch: {line}", file=sys.stderr, flush=True)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    codes = [child.returncode for child in children]
     if any(code == 0 for code in codes):
         failed = [i for i, code in enumerate(codes) if code != 0]
         if failed:
@@ -134,3 +157,38 @@ def launch_fault_tolerant(
             )
         return 0
     return next(code for code in codes if code != 0)
+
+
+def group_summaries(folder: Path, codes: list[int | None]) -> list[str]:
+    """One line per replica group: how it ended and what its lives did (the summaries its
+    first process left at exit, :func:`slipstream.fault_tolerance.reporting.summary_file`;
+    a life that was killed leaves none, so its steps are not counted)."""
+    lines = []
+    for index, code in enumerate(codes):
+        lives = []
+        for path in sorted(folder.glob(f"ft-summary-replica_{index}-life*.json")):
+            try:
+                lives.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        ended = "finished" if code == 0 else f"ended with code {code}"
+        if not lives:
+            lines.append(f"replica group replica_{index}: {ended} (it left no summary)")
+            continue
+        restarts = max(int(life["life"]) for life in lives)
+        if code == 0 and any(life.get("stopped") for life in lives):
+            ended = "stopped after its restart: the others had finished the training"
+        else:
+            ended += f" at step {max(int(life['step']) for life in lives)}"
+        total = {
+            key: sum(int(life[key]) for life in lives)
+            for key in ("committed", "discarded", "recoveries")
+        }
+        lines.append(
+            f"replica group replica_{index}: {ended}; {total['committed']} "
+            f"step{'' if total['committed'] == 1 else 's'} committed, {total['discarded']} "
+            f"discarded, {total['recoveries']} "
+            f"recover{'y' if total['recoveries'] == 1 else 'ies'} from a peer, "
+            f"{restarts} restart{'' if restarts == 1 else 's'}"
+        )
+    return lines

@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from ..runtime.env import REPORT_DIR_VARIABLE, agent_logs_requested, export_for_workers, is_set
+from .agent_events import agent_events
 from .config import LaunchConfig
 from .elastic import ELASTIC_AGENT_VARIABLES, elastic_torchrun_flags, is_elastic
 from .failures import exit_code_of, failure_summary, quiet_torchelastic
@@ -147,8 +148,8 @@ def launch(request: LaunchRequest) -> int:
     if config.fault_tolerance_config:  # replica groups, each under its own agent
         from .fault_tolerant import launch_fault_tolerant
 
-        def group_arguments(group: LaunchConfig) -> list[str]:
-            return torchrun_arguments(
+        def group_arguments(group: LaunchConfig) -> tuple[list[str], str, list[str]]:
+            return _torchrun_parts(
                 LaunchRequest(
                     group, request.script, request.script_args, request.module, request.no_python
                 )
@@ -184,7 +185,10 @@ def _run(request: LaunchRequest, reports: HangReports) -> int:
     # again what the summary below says once; they show with --debug, --verbose or LOGLEVEL.
     verbose = config.debug or config.verbose or agent_logs_requested()
     try:
-        with quiet_torchelastic(enabled=not verbose):
+        with (
+            quiet_torchelastic(enabled=not verbose),
+            agent_events(None, str(reports.folder), elastic=is_elastic(config)),
+        ):
             run(torchrun_args)
     except SignalException as stopped:
         print(
@@ -208,7 +212,11 @@ def _run(request: LaunchRequest, reports: HangReports) -> int:
                 file=sys.stderr,
             )
             return REQUEUE_EXIT_CODE
+        from ..runtime.flight_file import read_flight_files
+
         world = None if is_elastic(config) else config.num_processes  # it changes
-        print(failure_summary(failure.failures, world), file=sys.stderr)
+        flights = read_flight_files(reports.folder)
+        summary = failure_summary(failure.failures, world, flights=flights, debug=config.debug)
+        print(summary, file=sys.stderr)
         return exit_code_of(failure.failures)
     return 0

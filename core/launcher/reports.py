@@ -1,5 +1,7 @@
-"""The launcher's side of hang reports: print each report the workers leave in its folder,
-once, as soon as it appears (also between elastic restarts).
+"""The launcher's side of hang reports and events: print each report the workers leave in
+its folder, once, as soon as it appears (also between elastic restarts), and each event line
+(:mod:`slipstream.runtime.events`: a replica group lost or rejoined, a resize) as
+``slipstream launch: <line>``.
 
 The workers write ``hang-report-<attempt>.txt`` into the folder named by
 ``SLIPSTREAM_REPORT_DIR`` (see :mod:`slipstream.diagnostics.hang`), and each its own account
@@ -23,6 +25,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ..runtime.events import EventReader
+
 #: How often the folder is looked at while the job runs.
 POLL_SECONDS = 0.5
 
@@ -34,6 +38,7 @@ class HangReports:
         self.folder = Path(folder)
         self.stream = stream
         self.printed: set[str] = set()
+        self.events = EventReader(self.folder)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="slipstream-hang-reports")
@@ -51,12 +56,20 @@ class HangReports:
     ) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * POLL_SECONDS)
+        self._print_new_events()
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
             self._print_new()
 
+    def _print_new_events(self) -> None:
+        with self._lock:
+            stream = self.stream or sys.stderr
+            for event in self.events.new():
+                print(f"slipstream launch: {event.get('text')}", file=stream, flush=True)
+
     def _print_new(self) -> None:
+        self._print_new_events()
         with self._lock:
             for path in sorted(self.folder.glob("hang-report-*.txt")):
                 if path.name in self.printed:

@@ -5,11 +5,12 @@ The launcher's failure summary then shows the traceback once, labelled with the 
 
 Usage (by the launcher)::
 
-    python -m slipstream.launcher.worker [--module] TARGET [ARGS...]
+    python -m slipstream.launcher.worker [--replica_group NAME] [--module] TARGET [ARGS...]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -18,7 +19,8 @@ import sys
 import time
 import traceback
 
-from ..runtime.env import error_file
+from ..options.errors import ConfigError
+from ..runtime.env import error_file, fault_tolerance_environment
 from .failures import FAILURE_KEY
 from .lifecycle import watch_parent
 
@@ -56,6 +58,18 @@ def _user_traceback(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, tb))
 
 
+def _script_site(error: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of the script (outside slipstream and torch)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    site = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        name = frame.filename
+        if name.startswith(package) or "runpy" in name or f"{os.sep}site-packages{os.sep}" in name:
+            continue
+        site = f"{name}:{frame.lineno}"
+    return site
+
+
 def _record(error: BaseException, path: str, *, raised_at: float, by_peer: bool) -> None:
     """Write the error file torchrun asked for, in torchelastic's documented format, plus
     slipstream's block (when it was raised, to the sub-second, and whether a lost peer
@@ -69,14 +83,34 @@ def _record(error: BaseException, path: str, *, raised_at: float, by_peer: bool)
                 "timestamp": str(int(raised_at)),
             },
         },
-        FAILURE_KEY: {"time": raised_at, "caused_by_peer": by_peer},
+        FAILURE_KEY: {
+            "time": raised_at,
+            "caused_by_peer": by_peer,
+            # The user's input (a layout that does not fit, say): one line, not a traceback.
+            "config_error": isinstance(error, ConfigError),
+            "site": _script_site(error),
+        },
     }
     with open(path, "w") as handle:
         json.dump(report, handle)
 
 
+def _finished() -> None:
+    """The script ended well: in a fault-tolerant job, mark the training finished now,
+    before this process leaves the quorum (at exit), so that a replica group restarted
+    from here on stops instead of training alone (the launcher marks it too, but only once
+    this group's agent has ended: too late for a group restarted meanwhile)."""
+    mark = fault_tolerance_environment()["finished_file"]
+    if mark:
+        with contextlib.suppress(OSError):
+            open(mark, "a").close()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--replica_group"]:
+        # Only there for `ps` to show which replica group this process belongs to.
+        args = args[2:]
     as_module = bool(args) and args[0] == "--module"
     if as_module:
         args = args[1:]
@@ -91,7 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
-    except SystemExit:
+        _finished()
+    except SystemExit as stop:
+        if stop.code in (None, 0):
+            _finished()
         raise
     except KeyboardInterrupt:
         # Ctrl-C reaches every worker at once: stop quietly (the launcher reports it once)
@@ -112,8 +149,6 @@ def main(argv: list[str] | None = None) -> None:
         if by_peer:
             time.sleep(PEER_FAILURE_GRACE_SECONDS)
         _record(error, path, raised_at=raised_at, by_peer=by_peer)
-        from .config import ConfigError
-
         # A configuration error (bad parallel sizes, say) is the user's input, like a bad
         # flag: exit code 2, which the launcher passes on.
         sys.exit(2 if isinstance(error, ConfigError) else 1)

@@ -49,3 +49,26 @@ def resumed_micro_steps(micro_steps: int, saved_world: int | None, world: int) -
     if not saved_world or saved_world == world or (micro_steps * saved_world) % world:
         return micro_steps
     return micro_steps * saved_world // world
+
+
+def describe_resize(
+    url: str, saved_step: dict[str, Any], saved_by: int, processes: int, now: Any
+) -> str:
+    """The one line said when a checkpoint saved by ``saved_by`` processes is loaded on
+    ``processes`` (an elastic resize, or a plain resume at another size): the step, the
+    sizes, the accumulation change and the processes with no RNG state in it. ``now`` is
+    the loading job's step state."""
+    steps = int(now.gradient_accumulation_steps)
+    before = int(saved_step.get("gradient_accumulation_steps", steps))
+    if steps != before:
+        batch = f"gradient accumulation {steps} (was {before}) keeps the global batch"
+    else:
+        batch = f"gradient accumulation {steps} (the global batch changes with the size)"
+    text = (
+        f"resumed from {url} at step {int(saved_step['optimizer_steps'])}: saved by "
+        f"{saved_by} process(es), now {processes}; {batch}"
+    )
+    if processes > saved_by:
+        new = f"{saved_by}" if processes == saved_by + 1 else f"{saved_by}-{processes - 1}"
+        text += f"; process(es) {new} had no RNG state in it and keep their own"
+    return text

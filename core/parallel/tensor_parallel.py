@@ -190,6 +190,27 @@ def resolve_plan(
     return planned
 
 
+def check_sequence_parallel(model: nn.Module) -> None:
+    """Refuse sequence parallelism for a transformers model: between the tensor-parallel
+    regions its code (attention reshapes, rotary positions, masks) works on the whole
+    sequence, which sequence parallelism splits over the processes (it would fail deep in
+    DTensor on the first forward)."""
+    library = next(
+        (k for k in type(model).__mro__ if k.__module__.startswith("transformers.")), None
+    )
+    if library is None:
+        return
+    raise ParallelismConfigError(
+        f"sequence parallelism (ParallelismConfig(sequence_parallel=True), or Megatron-LM's "
+        f"sequence_parallelism: true) cannot run {type(model).__name__}: it splits the "
+        "activations along the sequence between tensor-parallel regions, and transformers' "
+        f"{library.__name__} shapes its attention, positions and masks there from the whole "
+        "sequence (its code between the regions is not per-token). Use plain tensor "
+        "parallelism (sequence_parallel: false, megatron_lm_sequence_parallelism: false); "
+        "context parallelism (cp_size, on GPUs) splits the sequence for attention"
+    )
+
+
 def _splits(style: Any) -> bool:
     return not isinstance(style, str) or STYLE_SPLITS.get(style) is not None
 

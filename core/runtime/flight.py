@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import flight_file
+
 #: How many of slipstream's collectives each process remembers.
 LOG_LENGTH = 64
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +64,9 @@ class Progress:
         self.step = step
         self.last = time.monotonic()
         self.armed = True
+        mirror = flight_file._file
+        if mirror is not None:  # (read by the launcher if this process dies)
+            mirror.step(step)
 
     def mark(self) -> None:
         """Something completed that shows the job moves (a collective, a checkpoint)."""
@@ -81,6 +86,8 @@ class CollectiveRecord:
     site: str
     started: float
     finished: float | None = None
+    #: Where the flight file (:mod:`~slipstream.runtime.flight_file`) holds it, if kept.
+    slot: int = -1
 
     def to_dict(self, now: float) -> dict[str, Any]:
         return {
@@ -128,11 +135,17 @@ class CollectiveLog:
             seq, operation, group, describe_data(data), caller_site(3), time.monotonic()
         )
         self.records.append(record)
+        mirror = flight_file._file
+        if mirror is not None:
+            record.slot = mirror.enter(seq, operation, record.data, record.site)
         return record
 
     def finish(self, record: CollectiveRecord) -> None:
         record.finished = time.monotonic()
         PROGRESS.last = record.finished
+        mirror = flight_file._file
+        if mirror is not None and record.slot >= 0:
+            mirror.finish(record.slot)
 
     def pending(self) -> CollectiveRecord | None:
         """The collective this process waits in (the last one, if unfinished)."""

@@ -68,12 +68,38 @@ def xla_version() -> str | None:
     return None
 
 
-def install_hint() -> str:
-    """How to install the torch_xla that fits this torch."""
-    version = torch.__version__.split("+")[0]
+#: The newest torch_xla release (it needs the torch of the same version); install_hint
+#: never names a torch_xla that does not exist.
+NEWEST_TORCH_XLA = "2.9.0"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def install_hint(torch_version: str | None = None) -> str:
+    """How to install a torch_xla that fits (torch_xla publishes wheels only for the torch
+    release of the same number, and none past :data:`NEWEST_TORCH_XLA`).
+
+    Example::
+
+        install_hint("2.13.0")  # 'pip install torch==2.9.0 "torch_xla[tpu]==2.9.0" ...'
+    """
+    version = (torch_version or torch.__version__).split("+")[0]
+    if _release(version) <= _release(NEWEST_TORCH_XLA):
+        return (
+            f'pip install "torch_xla[tpu]=={version}" (torch_xla publishes wheels only for '
+            "the torch release of the same number; [tpu] adds libtpu, for TPU VMs)"
+        )
     return (
-        f"pip install torch_xla=={version} (torch_xla publishes wheels only for matching torch "
-        "releases; TPU VMs also need libtpu: pip install 'torch_xla[tpu]')"
+        f'pip install torch=={NEWEST_TORCH_XLA} "torch_xla[tpu]=={NEWEST_TORCH_XLA}" '
+        f"(torch_xla's newest release is {NEWEST_TORCH_XLA} and needs torch "
+        f"{NEWEST_TORCH_XLA}; there is none for this torch {version}: use a separate "
+        "environment; [tpu] adds libtpu, for TPU VMs)"
     )
 
 
@@ -91,7 +117,15 @@ def wants_xla(
                 f"installed: {install_hint()}"
             )
         return True
-    return pjrt_device(environ) is not None and xla_installed()
+    device = pjrt_device(environ)
+    if device is not None and not xla_installed():
+        # A TPU VM without torch_xla would otherwise train on its host CPU, silently.
+        raise XlaError(
+            f"PJRT_DEVICE={device} asks for torch_xla's {device} device, but torch_xla is not "
+            f"installed, so this would train on the {'GPU' if device == 'CUDA' else 'CPU'} "
+            f"instead: {install_hint()}; or unset PJRT_DEVICE to train without XLA"
+        )
+    return device is not None
 
 
 def _xm() -> Any:
@@ -256,10 +290,16 @@ def runtime_description(environ: Mapping[str, str] | None = None) -> dict[str, s
     from .env import xla_variables
 
     version = xla_version()
-    if version is None:
-        return {"torch_xla": "not installed"}
-    info = {"torch_xla": version}
     device = pjrt_device(environ)
+    if version is None:
+        if device is None:
+            return {"torch_xla": "not installed", "PJRT_DEVICE": "not set"}
+        return {
+            "torch_xla": "not installed",
+            "PJRT_DEVICE": f"{device} (but torch_xla is not installed: Accelerator() stops "
+            f"with an error; {install_hint()})",
+        }
+    info = {"torch_xla": version}
     info["PJRT_DEVICE"] = device or "not set (slipstream uses XLA only with it or --tpu)"
     for name, value in xla_variables(environ).items():
         if name != "PJRT_DEVICE":

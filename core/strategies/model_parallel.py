@@ -38,7 +38,12 @@ from ..parallel.experts import (
 )
 from ..parallel.experts import weights as expert_weights
 from ..parallel.mesh import configure_parallelism
-from ..parallel.tensor_parallel import apply_tensor_parallel, check_divisible, resolve_plan
+from ..parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    check_divisible,
+    check_sequence_parallel,
+    resolve_plan,
+)
 from ..runtime.state import DistributedType, ProcessState
 from .base import sync_module_states
 from .fsdp import FSDPStrategy
@@ -108,6 +113,8 @@ class ModelParallelStrategy(FSDPStrategy):
     # -- wrapping -------------------------------------------------------------------------
     def _tensor_parallel_plan(self, model: nn.Module, whole_model: bool) -> list[Any]:
         sizes = self.mesh.sizes
+        if self.parallelism.sequence_parallel and whole_model:
+            check_sequence_parallel(model)
         planned = resolve_plan(model, self.parallelism.tp_plan, sizes.tp, whole_model=whole_model)
         if sizes.ep > 1 or self.parallelism.tp_plan is None:
             # Experts are split by ep (or, without it, kept whole on every TP process): a

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..runtime.progress import bar_options
 from ..runtime.synchronize import process_state
 
 
 def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
     """``tqdm.auto.tqdm(*args, **kwargs)``, disabled except on each machine's main process
-    (local process 0) unless ``main_process_only=False``. Needs tqdm installed."""
+    (local process 0) unless ``main_process_only=False``; written to a log (not a terminal),
+    each refresh is a line, at most every 30 s (:mod:`slipstream.runtime.progress`). Needs
+    tqdm installed."""
     try:
         from tqdm.auto import tqdm as progress_bar
     except ImportError:
@@ -30,4 +33,5 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
     disable = kwargs.pop("disable", False)
     if main_process_only and not disable:
         disable = process_state().local_process_index != 0
-    return progress_bar(*args, disable=disable, **kwargs)
+    # In a log file (not a terminal): a line per refresh, every 30 s, no carriage returns.
+    return progress_bar(*args, disable=disable, **bar_options(kwargs))

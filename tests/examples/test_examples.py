@@ -274,4 +274,13 @@ def test_fault_tolerant_example_learns_over_two_replica_groups():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert_learns(result.stdout)
-    assert "60 steps applied, 0 discarded" in result.stdout
+    # The cosine schedule ends at 0 (stepped once per process of both groups per step, its
+    # horizon counts them: it does not reach 0 halfway and climb back).
+    final = re.search(r"learning rate at the end: (\d+\.\d+)", result.stdout)
+    assert final is not None and float(final.group(1)) < 1e-4, result.stdout
+    # One summary line per group from the launcher (a group may join a step late).
+    for group in (0, 1):
+        pattern = rf"slipstream launch: replica group replica_{group}: finished at step 60; "
+        assert re.search(pattern + r"\d+ steps committed, 0 discarded", result.stderr), (
+            result.stderr[-3000:]
+        )

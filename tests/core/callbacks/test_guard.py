@@ -140,3 +140,63 @@ def test_a_nan_on_one_process_is_skipped_under_sharding(layout: str):
     for result in run_distributed(_sharded_nan_job, layout):
         assert result["skipped"] == [False, False, True, False, False]
         assert result["finite"] and result["step"] == 4
+
+
+def _recurring_nan_job(project: str, save: bool) -> dict:
+    # A divergence the data does not cause: the loss is NaN at step 5 whatever the batch.
+    # Each rollback (to step 4) leaves out more batches and meets it again: after 3 that
+    # made no progress, every process stops with the error instead of eating the data.
+    from slipstream import BadStepError
+
+    guard = BadStepGuard(max_bad_steps=2)
+    accelerator = Accelerator(
+        callbacks=[guard],
+        project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True),
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    x = torch.randn(80 * BATCH, 6, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=BATCH)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = 0
+    try:
+        for x, y in guard.iterate(loader):
+            batches += 1
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if accelerator.step == 5:
+                loss = loss * float("nan")
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if save and accelerator.step % 2 == 0 and not accelerator.optimizer_step_was_skipped:
+                accelerator.save_state()
+    except BadStepError as error:
+        return {"error": str(error), "rollbacks": guard.rollbacks, "batches": batches}
+    return {"error": None, "step": accelerator.step, "batches": batches}
+
+
+def test_rollbacks_that_make_no_progress_stop_every_process(tmp_path: Path):
+    results = run_distributed(_recurring_nan_job, str(tmp_path), True)
+    for result in results:
+        assert result["error"] is not None, f"the run ended without an error: {result}"
+        # 3 rollbacks (the default limit), then the 4th call for one stops: far from the
+        # 40 batches a process has.
+        assert result["rollbacks"] == 3 and result["batches"] < 20, result
+        message = result["error"]
+        assert "stopped the run at step 5" in message
+        assert "after 3 rollback(s) in a row that made no progress" in message
+        assert "lower the learning rate" in message
+        assert "max_rollbacks_without_progress=6" in message
+    assert results[0]["error"] == results[1]["error"]
+
+
+def test_no_checkpoint_to_go_back_to_stops_too(tmp_path: Path):
+    from slipstream import BadStepError
+
+    results = run_distributed(_recurring_nan_job, str(tmp_path), False)
+    for result in results:
+        assert "no committed checkpoint to go back to" in str(result["error"]), result
+    with pytest.raises(ValueError, match="max_rollbacks_without_progress"):
+        BadStepGuard(max_rollbacks_without_progress=0)
+    assert issubclass(BadStepError, RuntimeError)

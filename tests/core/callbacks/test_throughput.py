@@ -3,6 +3,8 @@ FlopCounterMode count; other models are counted once; the figures reach the trac
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -70,7 +72,8 @@ def test_the_llama_figures_reach_the_trackers():
     assert values["throughput/mfu"] == pytest.approx(flops / seconds / 1e12)
 
 
-def test_a_plain_model_is_counted_once_with_flop_counter_mode():
+def test_a_plain_model_is_counted_once_with_flop_counter_mode(caplog):
+    caplog.set_level(logging.INFO, logger="slipstream.monitors")  # (pytest's logging is on)
     monitor, recorder = ThroughputMonitor(log_every_n_steps=2), Recorder()
     accelerator = Accelerator(callbacks=[monitor, recorder])
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
@@ -87,6 +90,15 @@ def test_a_plain_model_is_counted_once_with_flop_counter_mode():
     assert values["throughput/flops_per_step"] == (6 * weights - 2 * first) * 5
     assert "throughput/mfu" not in values, "no peak for a CPU unless given or measured"
     assert "throughput/tokens_per_second" not in values
+    assert monitor.last_values == values
+    # No tracker: the monitor says so once and prints a short line per window.
+    said = [r.getMessage() for r in caplog.records if r.name == "slipstream.monitors"]
+    assert said[0].startswith("ThroughputMonitor: no tracker to log to"), said
+    assert [line.split(":")[0] for line in said[1:]] == [
+        "throughput at step 4",
+        "throughput at step 6",
+    ]
+    assert all("s/step" in line and "FLOP/s per device" in line for line in said[1:]), said
 
 
 def test_the_peak_table():

@@ -2,13 +2,14 @@
 ``slipstream launch --fault_tolerance``: linear regression, one JSON line per step.
 
 Arguments: OUT_DIR STEPS [--die-at STEP --die-replica N|-1 --die-mode allreduce|wait]
-[--step-sleep S] [--fsdp] [--hidden N] [--until-rejoined]. The dying replica group dies
+[--step-sleep S] [--fsdp] [--hidden N] [--until-rejoined] [--linger S]. The dying replica group dies
 only in its first life.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -66,7 +67,12 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    # Stay this many seconds after the script ended and the group left the quorum (an
+    # exit handler that runs after slipstream's): the launcher sees the group end only then.
+    parser.add_argument("--linger", type=float, default=0.0)
     args = parser.parse_args()
+    if args.linger:
+        atexit.register(time.sleep, args.linger)
     torch.manual_seed(0)
     plugin = FullyShardedDataParallelPlugin() if args.fsdp else None
     accelerator = Accelerator(
@@ -90,6 +96,11 @@ def main() -> None:
     name = f"replica{replica}-rank{accelerator.process_index}-life{life}"
     log = (out / f"{name}.jsonl").open("a", buffering=1)
     (out / f"{name}.pid").write_text(str(os.getpid()))
+    # What `ps` shows of this worker and of its group's agent (its parent).
+    commands = [Path(f"/proc/{pid}/cmdline") for pid in (os.getpid(), os.getppid())]
+    if all(path.exists() for path in commands):
+        shown = [path.read_bytes().replace(b"\0", b" ").decode() for path in commands]
+        (out / f"{name}.ps").write_text("\n".join(shown))
 
     def die(grad: torch.Tensor) -> torch.Tensor:
         time.sleep(0.5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,40 @@ def test_two_groups_survive_a_kill_during_the_gradient_all_reduce(tmp_path: Path
     )
     assert result.returncode == 0, result.stdout[-3000:]
     _check_job(tmp_path, "replica1", groups=2)
+    # What the user sees: one line per event, from the launcher, and a summary per group;
+    # not torchelastic's lines nor the HTTP access log of the state transfer.
+    said = _launcher_lines(result.stdout)
+    # (Besides these, a group that started a step late says it joined late.)
+    said = [line for line in said if "joined late" not in line]
+    lost, rejoined, *summaries = said
+    assert lost == "replica group replica_1 lost (SIGKILL) at step 3; restart 1/1", said
+    assert re.fullmatch(
+        r"replica group replica_1 rejoined at step \d+, state copied from replica_0 in "
+        r"\d+\.\d s",
+        rejoined,
+    ), said
+    # (A group may start a step late and copy the other's state: a recovery at the start.)
+    assert re.fullmatch(
+        r"replica group replica_0: finished at step \d+; \d+ steps committed, [01] "
+        r"discarded, [01] recover(y|ies) from a peer, 0 restarts",
+        summaries[0],
+    ), said
+    assert re.fullmatch(
+        r"replica group replica_1: finished at step \d+; \d+ steps? committed, 0 discarded, "
+        r"[12] recover(y|ies) from a peer, 1 restart",
+        summaries[1],
+    ), said
+    assert len(summaries) == 2, said
+    assert "GET /checkpoint" not in result.stdout and "exitcode" not in result.stdout
+    # `ps` names each worker's group, and each group's agent.
+    shown = (tmp_path / "replica1-rank0-life1.ps").read_text().splitlines()
+    assert "slipstream.launcher.worker --replica_group replica_1 " in shown[0], shown
+    assert "slipstream.launcher.group_agent replica_1 " in shown[1], shown
+
+
+def _launcher_lines(output: str) -> list[str]:
+    prefix = "slipstream launch: "
+    return [line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)]
 
 
 @pytest.mark.timeout(150)
@@ -260,13 +295,15 @@ def test_tensor_parallel_groups_survive_a_kill_between_steps(tmp_path: Path) -> 
 
 @pytest.mark.timeout(150)
 def test_a_group_restarted_after_the_training_finished_stops(tmp_path: Path) -> None:
-    # replica 1 is killed after the last step, once replica 0 has finished and left: the
-    # restarted group finds no one to recover from and the launcher's "finished" mark, so
-    # it stops instead of training again from step 0 alone.
+    # replica 1 is killed after the last step, once replica 0 has finished and left the
+    # quorum: the restarted group finds no one to recover from and the "finished" mark, so
+    # it stops instead of training again from step 0 alone. Replica 0's process stays 10 s
+    # after it left (--linger): its agent, and so the launcher, see it end only then, so
+    # the mark the restarted group reads is the one replica 0 left when its script ended.
     result = run_fault_tolerant_job(
         JOB,
         tmp_path,
-        ["4", "--die-at", "4", "--die-mode", "wait"],
+        ["4", "--die-at", "4", "--die-mode", "wait", "--linger", "10"],
         processes=2,
         groups=2,
         kill_when=tmp_path / "victim-ready",
@@ -275,7 +312,15 @@ def test_a_group_restarted_after_the_training_finished_stops(tmp_path: Path) -> 
     logs = _logs(tmp_path)
     assert [r["step"] for r in logs["replica0-rank0-life0"] if "step" in r] == [0, 1, 2, 3]
     assert logs["replica1-rank0-life1"] == [], "the restarted group trained again"
-    assert "nothing is left to do" in result.stdout
+    said = [line for line in _launcher_lines(result.stdout) if "joined late" not in line]
+    assert said[0] == "replica group replica_1 lost (SIGKILL) at step 4; restart 1/1", said
+    assert said[1].startswith("replica group replica_1 restarted after another group finished")
+    assert said[1].endswith("nothing is left to do, so it stops here (exit 0)")
+    assert said[2].startswith("replica group replica_0: finished at step 4; "), said
+    assert said[3] == (
+        "replica group replica_1: stopped after its restart: the others had finished the "
+        "training; 0 steps committed, 0 discarded, 0 recoveries from a peer, 1 restart"
+    ), said
     for pid_file in tmp_path.glob("*.pid"):
         assert not _alive(int(pid_file.read_text())), f"{pid_file.stem} still runs"
 

@@ -197,3 +197,13 @@ def test_preemption_keys_reach_the_workers_and_the_launcher():
 def test_bad_preemption_keys_are_config_errors(values: dict[str, Any], message: str):
     with pytest.raises(ConfigError, match=message):
         config_from_dict({"num_processes": 2, **values})
+
+
+def test_parallelism_messages_in_config_terms_keep_their_grammar():
+    from slipstream.launcher.config import _parallelism_message
+
+    text = _parallelism_message("ep_size=3: choose an ep_size that divides 4")
+    assert text == (
+        "parallelism_config: parallelism_config_ep_size=3: choose a "
+        "parallelism_config_ep_size that divides 4"
+    )

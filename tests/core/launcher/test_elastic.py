@@ -150,6 +150,38 @@ def test_a_lost_machine_shrinks_the_job_and_a_new_one_grows_it(tmp_path: Path, n
     events = _events(project)
     steps = [(e["step"], e["world"]) for e in events if e["event"] == "step"]
     assert steps == [(1, 2), (2, 2), (3, 2), (4, 1), (5, 1), (6, 1), (7, 2), (8, 2), (9, 2)]
+    # What the user of the surviving machine read: each change once, in plain words (and no
+    # raw UserWarning about the new process's random state).
+    said = Path(str(launchers[0].args)).read_text()
+    joined = Path(str(launchers[2].args)).read_text()  # its worker may be rank 0 at the end
+    lines = [
+        line
+        for line in [*said.splitlines(), *joined.splitlines()]
+        if line.startswith("slipstream launch: ")
+    ]
+    # The agent's lines come from the surviving launcher in order; each resume line from the
+    # launcher of that round's rank 0.
+    resumes = [line for line in lines if "resumed from" in line]
+    lines = [line for line in lines if "resumed from" not in line][:4] + resumes
+    expected = [
+        r"rank 0 failed \(.+\) at step 3; restart 1/3: the workers meet again; a lost machine "
+        r"is dropped after 5 s without heartbeats \(keep_alive_interval 1 s x "
+        r"keep_alive_max_attempt 5\), and the new size is settled 1 s \(last_call_timeout\) "
+        r"after the fewest machines are there",
+        r"the job now runs on 1 machine\(s\), 1 process\(es\) \(was 2, 2\), \d+ s after the workers stopped",
+        r"a machine asks to join: the workers stop and meet again at the larger size \(no "
+        r"restart is used up\)",
+        r"the job now runs on 2 machine\(s\), 2 process\(es\) \(was 1, 1\), \d+ s after the workers stopped",
+        r"resumed from .+checkpoint_2 at step 3: saved by 2 process\(es\), now 1; gradient "
+        r"accumulation 2 \(was 1\) keeps the global batch",
+        r"resumed from .+checkpoint_5 at step 6: saved by 1 process\(es\), now 2; gradient "
+        r"accumulation 1 \(was 2\) keeps the global batch; process\(es\) 1 had no RNG state in "
+        r"it and keep their own",
+    ]
+    assert len(lines) == len(expected), said[-4000:]
+    for line, pattern in zip(lines, expected, strict=True):
+        assert re.fullmatch("slipstream launch: " + pattern, line), (line, pattern)
+    assert "UserWarning" not in said + joined, (said + joined)[-4000:]
     # References: plain runs that resumed from the same checkpoints. From step 3 on two
     # processes (accumulation 1): the same global batches as the one process (accumulation
     # 2) of the elastic job; from step 6 on two processes: the elastic job's end, bitwise.

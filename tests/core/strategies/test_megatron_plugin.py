@@ -17,7 +17,7 @@ import yaml
 from slipstream import ParallelismConfig
 from slipstream.strategies.megatron_plugin import MegatronLMConfigError, MegatronLMPlugin
 from slipstream.utils import MegatronLMPlugin as ExportedPlugin
-from tests.distributed import run_cli
+from tests.distributed import run_cli, run_distributed
 
 pytest.importorskip("transformers")
 
@@ -256,3 +256,50 @@ def test_a_megatron_config_file_trains_as_the_same_parallelism_config(tmp_path: 
     assert left.keys() == right.keys() and len(left) > 10
     for key, value in left.items():
         torch.testing.assert_close(value, right[key], rtol=0, atol=1e-6, msg=key)
+
+
+def _sequence_parallel_llama() -> dict:
+    import transformers
+
+    from slipstream import Accelerator
+    from slipstream.parallel.errors import ParallelismConfigError
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    plugin = MegatronLMPlugin(tp_degree=2, sequence_parallelism=True)
+    accelerator = Accelerator(megatron_lm_plugin=plugin)
+    try:
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    except ParallelismConfigError as error:
+        return {"error": str(error), "forwards": len(forwards)}
+    return {"error": None, "forwards": len(forwards)}
+
+
+def test_sequence_parallelism_on_a_transformers_llama_is_refused_at_prepare():
+    for result in run_distributed(_sequence_parallel_llama):
+        assert result["forwards"] == 0
+        message = result["error"]
+        assert message is not None and "cannot run LlamaForCausalLM" in message
+        assert "sequence_parallelism: true" in message and "not per-token" in message
+        assert "megatron_lm_sequence_parallelism: false" in message
+
+
+def test_options_the_launcher_named_are_not_warned_about_again():
+    from types import SimpleNamespace
+
+    from slipstream.accelerator.megatron import megatron_layout
+
+    plugin = MegatronLMPlugin(eval_iters=5)
+    state = SimpleNamespace(is_main_process=True)
+    launched = {"megatron_lm_config": {"megatron_lm_eval_iters": 5}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        megatron_layout(plugin, None, None, state, launched)  # the launcher's note said it
+        assert caught == []
+        megatron_layout(plugin, None, None, state, {})  # built in the script: one warning
+    assert [w for w in caught if "eval_iters" in str(w.message)]
