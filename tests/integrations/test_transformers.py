@@ -1,0 +1,203 @@
+"""transformers' Trainer on slipstream against the Accelerate-backed Trainer, run back to back
+in the same processes: plain DDP, accumulation with a short last cycle, evaluation, resume,
+FSDP2 checkpoints (losses equal to 1e-6); then layouts only slipstream runs on CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.distributed import run_distributed
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # models are built from configs: nothing may be fetched
+VOCAB, LENGTH = 64, 8
+TOLERANCE = 1e-6
+
+
+def tiny_llama(layers: int = 2) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Random token sequences; each is its own label (causal LM)."""
+
+    def __init__(self, size: int, seed: int = 1) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def train(
+    backend: str,
+    out: str,
+    *,
+    samples: int = 20,
+    eval_samples: int = 0,
+    resume: str | None = None,
+    model: Any = None,
+    options: dict[str, Any] | None = None,
+    **arguments: Any,
+) -> dict[str, Any]:
+    """One Trainer run on ``backend`` ("accelerate" or "slipstream"); its logged numbers."""
+    import transformers
+
+    from slipstream.integrations.transformers import Trainer
+
+    settings: dict[str, Any] = {
+        "output_dir": out,
+        "per_device_train_batch_size": 2,
+        "per_device_eval_batch_size": 4,
+        "num_train_epochs": 1,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
+    settings.update(arguments)
+    args = transformers.TrainingArguments(**settings)
+    common = {
+        "model": model if model is not None else tiny_llama(),
+        "args": args,
+        "train_dataset": Tokens(samples),
+        "eval_dataset": Tokens(eval_samples, seed=2) if eval_samples else None,
+    }
+    if backend == "accelerate":
+        trainer = transformers.Trainer(**common)
+    else:
+        trainer = Trainer(**common, accelerator_options=options)
+    trainer.train(resume_from_checkpoint=resume)
+    history = trainer.state.log_history
+    return {
+        "loss": [row["loss"] for row in history if "loss" in row],
+        "grad_norm": [row["grad_norm"] for row in history if "grad_norm" in row],
+        "eval_loss": [row["eval_loss"] for row in history if "eval_loss" in row],
+        "accelerator": type(trainer.accelerator).__module__.split(".")[0],
+        "files": sorted(os.listdir(resume)) if resume else [],
+    }
+
+
+def assert_close(ours: list[float], theirs: list[float], tolerance: float = TOLERANCE) -> None:
+    assert len(ours) == len(theirs) and ours, (ours, theirs)
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= tolerance, (ours, theirs)
+
+
+# -- data parallelism, accumulation, evaluation, resume ----------------------------------------
+def _data_parallel(out: str) -> dict[str, Any]:
+    # 20 samples, 2 per process on 2 processes: 5 batches per epoch, accumulated in cycles of
+    # 3 then 2 (the short last cycle); 10 evaluation samples leave a final global batch of 2.
+    run = {"gradient_accumulation_steps": 3, "eval_samples": 10}
+    run |= {"eval_strategy": "steps", "eval_steps": 1}
+    results = {
+        "accelerate": train("accelerate", f"{out}/accelerate", **run),
+        "slipstream": train("slipstream", f"{out}/slipstream", **run),
+    }
+    # Two epochs of 3 steps, a checkpoint every 2 steps; resuming from step 4 starts inside
+    # the second epoch (its first 2 batches are skipped).
+    resume = {"gradient_accumulation_steps": 2, "num_train_epochs": 2}
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    results["accelerate_2_epochs"] = train("accelerate", f"{out}/reference", **resume)
+    results["saving"] = train("slipstream", f"{out}/run", **resume, **saving)
+    checkpoint = f"{out}/run/checkpoint-4"
+    results["resumed"] = train("slipstream", f"{out}/run", resume=checkpoint, **resume, **saving)
+    return results
+
+
+def test_trainer_matches_accelerate_with_ddp_accumulation_evaluation_and_resume(
+    tmp_path: Path,
+) -> None:
+    results = run_distributed(_data_parallel, str(tmp_path), timeout=240)
+    for rank in results:
+        ours, theirs = rank["slipstream"], rank["accelerate"]
+        assert ours["accelerator"] == "slipstream" and theirs["accelerator"] == "accelerate"
+        assert len(ours["loss"]) == 2  # one full and one short accumulation cycle
+        assert_close(ours["loss"], theirs["loss"])
+        assert_close(ours["grad_norm"], theirs["grad_norm"])
+        assert_close(ours["eval_loss"], theirs["eval_loss"])
+        # The run that saved is the uninterrupted one; the resumed run's new steps 5 and 6
+        # (its history holds steps 1-4 from the checkpoint) equal Accelerate's.
+        reference = rank["accelerate_2_epochs"]["loss"]
+        assert len(reference) == 6
+        assert_close(rank["saving"]["loss"], reference)
+        assert_close(rank["resumed"]["loss"], reference)
+        assert "optimizer.pt" in rank["resumed"]["files"]
+
+
+def _one_process(out: str) -> dict[str, Any]:
+    # One process: the final evaluation batch (2 of 10 samples, batch 4) is cut to its real
+    # samples, as Accelerate's gather_for_metrics cuts it to gradient_state.remainder.
+    run = {"eval_samples": 10, "eval_strategy": "steps", "eval_steps": 2, "samples": 8}
+    return {
+        "accelerate": train("accelerate", f"{out}/accelerate", **run),
+        "slipstream": train("slipstream", f"{out}/slipstream", **run),
+    }
+
+
+def test_evaluation_on_one_process_matches_accelerate(tmp_path: Path) -> None:
+    (result,) = run_distributed(_one_process, str(tmp_path), world_size=1, timeout=180)
+    assert len(result["slipstream"]["eval_loss"]) == 2
+    assert_close(result["slipstream"]["eval_loss"], result["accelerate"]["eval_loss"])
+    assert_close(result["slipstream"]["loss"], result["accelerate"]["loss"])
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------
+def _fsdp(out: str) -> dict[str, Any]:
+    layers = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    run: dict[str, Any] = {"gradient_accumulation_steps": 2, "num_train_epochs": 2}
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    accelerate = train("accelerate", f"{out}/accelerate", fsdp=True, fsdp_config=layers, **run)
+    results = {"accelerate": accelerate}
+    for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        config = {**layers, "state_dict_type": kind}
+        settings = {**run, **saving, "fsdp": True, "fsdp_config": config}
+        results[kind] = train("slipstream", f"{out}/{kind}", **settings)
+        checkpoint = f"{out}/{kind}/checkpoint-4"
+        results[f"{kind}/resumed"] = train(
+            "slipstream", f"{out}/{kind}", resume=checkpoint, **settings
+        )
+    return results
+
+
+def test_fsdp2_sharded_and_full_checkpoints_resume_as_accelerate_trains(tmp_path: Path) -> None:
+    results = run_distributed(_fsdp, str(tmp_path), timeout=300)
+    for rank in results:
+        reference = rank["accelerate"]["loss"]
+        assert len(reference) == 6
+        for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+            assert_close(rank[kind]["loss"], reference)
+            assert_close(rank[f"{kind}/resumed"]["loss"], reference)
+            assert_close(rank[kind]["grad_norm"], rank["accelerate"]["grad_norm"])
+    files = results[0]
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(
+        files["SHARDED_STATE_DICT/resumed"]["files"]
+    )
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(
+        files["FULL_STATE_DICT/resumed"]["files"]
+    )
