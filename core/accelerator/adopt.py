@@ -137,7 +137,7 @@ def dynamo_plugin(plugin: Any) -> options.TorchDynamoPlugin | None:
     )
     if getattr(plugin, "disable", False):
         converted.backend = "no"
-    if converted.backend == "no" and converted.mode == "default":
+    if str(converted.backend).lower() == "no" and converted.mode == "default":
         converted.mode = None  # Accelerate's placeholder when nothing is compiled
     return converted
 

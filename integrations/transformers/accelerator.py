@@ -99,7 +99,18 @@ def accelerator_arguments(trainer: Any, options: Mapping[str, Any]) -> dict[str,
 
 
 def build_accelerator(trainer: Any, options: Mapping[str, Any]) -> Any:
-    """slipstream's Accelerator for ``trainer`` (see the module doc for what maps to what)."""
+    """slipstream's Accelerator for ``trainer`` (see the module doc for what maps to what).
+
+    Like transformers, which resets Accelerate's state for every ``TrainingArguments``, a
+    Trainer lays the processes out anew: a layout (mesh) an earlier Trainer of the process
+    arranged is dropped first (the process group stays), so the next Trainer may ask for
+    another one, or none."""
+    from slipstream import AcceleratorState
+    from slipstream.runtime.state import current_state, has_current_state
+
+    arguments = accelerator_arguments(trainer, options)
+    if has_current_state() and current_state().mesh is not None:
+        AcceleratorState._reset_state(reset_partial_state=True)
     from slipstream import Accelerator
 
-    return Accelerator(**accelerator_arguments(trainer, options))
+    return Accelerator(**arguments)

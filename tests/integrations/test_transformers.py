@@ -4,6 +4,7 @@ FSDP2 checkpoints (losses equal to 1e-6); then layouts only slipstream runs on C
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,8 @@ def train(
         "grad_norm": [row["grad_norm"] for row in history if "grad_norm" in row],
         "eval_loss": [row["eval_loss"] for row in history if "eval_loss" in row],
         "accelerator": type(trainer.accelerator).__module__.split(".")[0],
+        "model": type(trainer.model_wrapped).__name__,
+        "dtensors": any(hasattr(p, "device_mesh") for p in trainer.model_wrapped.parameters()),
         "files": sorted(os.listdir(resume)) if resume else [],
     }
 
@@ -201,3 +204,80 @@ def test_fsdp2_sharded_and_full_checkpoints_resume_as_accelerate_trains(tmp_path
     assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(
         files["FULL_STATE_DICT/resumed"]["files"]
     )
+
+
+# -- layouts only slipstream runs on CPU ------------------------------------------------------
+def tiny_moe() -> Any:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+#: 16 samples, 2 per process on 2 data-parallel processes, 2 micro-batches per step: the
+#: Accelerate-backed DDP reference (and the fault-tolerant job's settings).
+LAYOUT_RUN: dict[str, Any] = {"gradient_accumulation_steps": 2, "samples": 16}
+
+
+def _layouts(out: str) -> dict[str, Any]:
+    from slipstream import ParallelismConfig
+
+    # Tensor- and pipeline-parallel pairs read one batch: 4 samples, the 2 x 2 of DDP.
+    whole_batch = {**LAYOUT_RUN, "per_device_train_batch_size": 4}
+    layouts = {"tp": ParallelismConfig(tp_size=2), "pp": ParallelismConfig(pp_size=2)}
+    results = {"accelerate": train("accelerate", f"{out}/accelerate", **LAYOUT_RUN)}
+    for name, layout in layouts.items():
+        options = {"parallelism_config": layout}
+        results[name] = train("slipstream", f"{out}/{name}", options=options, **whole_batch)
+    # Experts split over the 2 processes (which also shard the rest with FSDP2).
+    results["accelerate_moe"] = train("accelerate", f"{out}/moe", model=tiny_moe(), **LAYOUT_RUN)
+    options = {"parallelism_config": ParallelismConfig(ep_size=2)}
+    results["ep"] = train(
+        "slipstream", f"{out}/ep", model=tiny_moe(), options=options, **LAYOUT_RUN
+    )
+    return results
+
+
+@pytest.mark.timeout(420)
+def test_tensor_pipeline_expert_parallel_and_fault_tolerant_trainers_train_as_accelerates_ddp(
+    tmp_path: Path,
+) -> None:
+    from tests.distributed import run_fault_tolerant_job
+
+    results = run_distributed(_layouts, str(tmp_path), timeout=300)
+    for rank in results:
+        reference = rank["accelerate"]
+        assert rank["tp"]["dtensors"], "the tensor-parallel plan was not applied"
+        assert rank["pp"]["model"].startswith("Pipelined"), rank["pp"]["model"]
+        assert rank["ep"]["dtensors"]
+        for name in ("tp", "pp"):
+            assert_close(rank[name]["loss"], reference["loss"])
+            assert_close(rank[name]["grad_norm"], reference["grad_norm"])
+        assert_close(rank["ep"]["loss"], rank["accelerate_moe"]["loss"])
+        assert_close(rank["ep"]["grad_norm"], rank["accelerate_moe"]["grad_norm"])
+
+    # Fault tolerance: 2 replica groups of 1 process (slipstream launch --fault_tolerance),
+    # each logging the loss of its half of every global batch; their mean is the loss of
+    # the whole batch as the DDP Trainer above logged it, and every step committed.
+    pytest.importorskip("torchft")
+    job = Path(__file__).with_name("transformers_ft_job.py")
+    result = run_fault_tolerant_job(job, tmp_path, [], processes=2, groups=2, timeout=200)
+    assert result.returncode == 0, result.stdout[-3000:]
+    groups = [json.loads((tmp_path / f"replica{g}.json").read_text()) for g in (0, 1)]
+    for group in groups:
+        assert (group["groups"], group["committed"], group["steps"]) == (2, 2, 2)
+    means = [(a + b) / 2 for a, b in zip(groups[0]["loss"], groups[1]["loss"], strict=True)]
+    assert_close(means, results[0]["accelerate"]["loss"], 1e-5)
