@@ -199,6 +199,10 @@ class PreparationMixin:
         ):
             if not any(obj is model for model in self._models):
                 self._models.append(obj)
+            # Optimizers prepared later find their model (after free_memory() too, as
+            # transformers' Trainer calls it between evaluating and training).
+            if not any(obj is model for model in self.strategy.prepared_models):
+                self.strategy.prepared_models.append(obj)
             return True
         return False
 

@@ -64,7 +64,12 @@ class SlipstreamTrainerMixin:
         if "use_gather_object" in inspect.signature(gather).parameters:
             gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
         self.gather_function = gather
-        state = self.accelerator.state
+        state, strategy = self.accelerator.state, self.accelerator.strategy
+        if state.fsdp_plugin is None and strategy.name == "model_parallel":
+            # Tensor-, pipeline- and expert-parallel layouts hold DTensors as FSDP2 does:
+            # the Trainer saves and loads them on its FSDP path (save_fsdp_model, ...), with
+            # the layout's checkpoint options (sharded by default).
+            state.fsdp_plugin = strategy.plugin
         self.is_deepspeed_enabled = state.deepspeed_plugin is not None
         self.is_fsdp_enabled = state.fsdp_plugin is not None
         self._check_arguments(state.fsdp_plugin)
@@ -88,6 +93,21 @@ class SlipstreamTrainerMixin:
                 "save_only_model does not fit state_dict_type SHARDED_STATE_DICT (the model "
                 "is saved in shards with its optimizer); use FULL_STATE_DICT"
             )
+
+    # -- saving ---------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's ``save_model``; with sharded checkpoints (FSDP2's
+        ``SHARDED_STATE_DICT``, slipstream's parallel layouts) a call of your own still
+        writes the whole model, gathered (``from_pretrained`` loads it), where Accelerate's
+        Trainer writes nothing. Checkpoints keep their shards only."""
+        plugin = self.accelerator.state.fsdp_plugin
+        if _internal_call or plugin is None or not plugin.sharded_state_dict:
+            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            return
+        state_dict = self.accelerator.get_state_dict(self.model)  # every process takes part
+        self._save(output_dir or self.args.output_dir, state_dict=state_dict)  # type: ignore[attr-defined]
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)  # type: ignore[attr-defined]
 
     # -- processes that share a batch ----------------------------------------------------
     def _batch_sharing_processes(self) -> int:

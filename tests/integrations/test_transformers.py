@@ -61,6 +61,7 @@ def train(
     resume: str | None = None,
     model: Any = None,
     options: dict[str, Any] | None = None,
+    callbacks: list[Any] | None = None,
     **arguments: Any,
 ) -> dict[str, Any]:
     """One Trainer run on ``backend`` ("accelerate" or "slipstream"); its logged numbers."""
@@ -89,6 +90,7 @@ def train(
         "args": args,
         "train_dataset": Tokens(samples),
         "eval_dataset": Tokens(eval_samples, seed=2) if eval_samples else None,
+        "callbacks": callbacks,
     }
     if backend == "accelerate":
         trainer = transformers.Trainer(**common)
@@ -242,6 +244,15 @@ def _layouts(out: str) -> dict[str, Any]:
     for name, layout in layouts.items():
         options = {"parallelism_config": layout}
         results[name] = train("slipstream", f"{out}/{name}", options=options, **whole_batch)
+    # The tensor-parallel run again, saving (sharded, through the layout) after step 1; then
+    # resumed from there.
+    saving = {**whole_batch, "save_strategy": "steps", "save_steps": 1}
+    options = {"parallelism_config": layouts["tp"]}
+    train("slipstream", f"{out}/tp_saving", options=options, **saving)
+    resume = f"{out}/tp_saving/checkpoint-1"
+    results["tp/resumed"] = train(
+        "slipstream", f"{out}/tp_saving", options=options, resume=resume, **saving
+    )
     # Experts split over the 2 processes (which also shard the rest with FSDP2).
     results["accelerate_moe"] = train("accelerate", f"{out}/moe", model=tiny_moe(), **LAYOUT_RUN)
     options = {"parallelism_config": ParallelismConfig(ep_size=2)}
@@ -263,11 +274,12 @@ def test_tensor_pipeline_expert_parallel_and_fault_tolerant_trainers_train_as_ac
         assert rank["tp"]["dtensors"], "the tensor-parallel plan was not applied"
         assert rank["pp"]["model"].startswith("Pipelined"), rank["pp"]["model"]
         assert rank["ep"]["dtensors"]
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "tp/resumed"):
             assert_close(rank[name]["loss"], reference["loss"])
             assert_close(rank[name]["grad_norm"], reference["grad_norm"])
         assert_close(rank["ep"]["loss"], rank["accelerate_moe"]["loss"])
         assert_close(rank["ep"]["grad_norm"], rank["accelerate_moe"]["grad_norm"])
+        assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(rank["tp/resumed"]["files"])
 
     # Fault tolerance: 2 replica groups of 1 process (slipstream launch --fault_tolerance),
     # each logging the loss of its half of every global batch; their mean is the loss of
@@ -279,5 +291,82 @@ def test_tensor_pipeline_expert_parallel_and_fault_tolerant_trainers_train_as_ac
     groups = [json.loads((tmp_path / f"replica{g}.json").read_text()) for g in (0, 1)]
     for group in groups:
         assert (group["groups"], group["committed"], group["steps"]) == (2, 2, 2)
+        assert group["quorum"] == [2, 2], "a step ran without both groups"
     means = [(a + b) / 2 for a, b in zip(groups[0]["loss"], groups[1]["loss"], strict=True)]
     assert_close(means, results[0]["accelerate"]["loss"], 1e-5)
+
+
+# -- TRL ------------------------------------------------------------------------------------
+def word_tokenizer() -> Any:
+    """A word-level tokenizer over ``w0 w1 ...`` built here (nothing is downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    model = models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>")
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def _sft(out: str) -> dict[str, Any]:
+    import random
+
+    import datasets
+    import trl
+
+    from slipstream.integrations.transformers import on_slipstream
+
+    draw = random.Random(0)
+    texts = [
+        " ".join(f"w{draw.randrange(VOCAB - 3)}" for _ in range(draw.randrange(3, 9)))
+        for _ in range(20)
+    ]
+    data = datasets.Dataset.from_dict({"text": texts})  # in memory, sequences of 3-8 words
+    results = {}
+    # TRL's defaults stay: bf16 autocast and gradient checkpointing.
+    for backend, trainer_class in (
+        ("accelerate", trl.SFTTrainer),
+        ("slipstream", on_slipstream(trl.SFTTrainer)),
+    ):
+        config = trl.SFTConfig(
+            output_dir=f"{out}/{backend}",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            num_train_epochs=1,
+            max_length=16,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
+        trainer = trainer_class(
+            model=tiny_llama(), args=config, train_dataset=data, processing_class=word_tokenizer()
+        )
+        trainer.train()
+        history = trainer.state.log_history
+        results[backend] = {
+            "loss": [row["loss"] for row in history if "loss" in row],
+            "grad_norm": [row["grad_norm"] for row in history if "grad_norm" in row],
+            "tokens": [row["num_tokens"] for row in history if "num_tokens" in row],
+            "accelerator": type(trainer.accelerator).__module__.split(".")[0],
+        }
+    return results
+
+
+def test_trl_sft_trainer_on_slipstream_matches_accelerate(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    for rank in run_distributed(_sft, str(tmp_path), timeout=240):
+        ours, theirs = rank["slipstream"], rank["accelerate"]
+        assert (ours["accelerator"], theirs["accelerator"]) == ("slipstream", "accelerate")
+        assert len(ours["loss"]) == 3
+        assert_close(ours["loss"], theirs["loss"])
+        assert_close(ours["grad_norm"], theirs["grad_norm"])
+        assert ours["tokens"] == theirs["tokens"]
