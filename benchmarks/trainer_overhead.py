@@ -3,11 +3,12 @@ Accelerate, side by side.
 
 Runs on 2 CPU processes (torchrun). Each round builds both Trainers afresh (which one goes
 first alternates) from the same TrainingArguments, model weights and data, and times each
-run's steps from a Trainer callback: the time from the end of the warm-up steps to the end
-of the last step, so setting up a Trainer (building the Accelerator, preparing the model)
-is not counted. The reported ratio is the median over rounds of slipstream's seconds per
-step over Accelerate's (below 1: slipstream's Trainer takes more steps per second). The
-final weights of the two runs must be equal in every round.
+run's steps from a Trainer callback (the time between the ends of consecutive steps after
+the warm-up steps, its median per run; also the main thread's CPU time), so setting up a
+Trainer (building the Accelerator, preparing the model) is not counted. The reported ratio
+is the median over rounds of slipstream's seconds per step over Accelerate's (below 1:
+slipstream's Trainer takes more steps per second). The final weights of the two runs must
+be equal in every round.
 
     python benchmarks/trainer_overhead.py            # tiny and medium Llama
     python benchmarks/trainer_overhead.py --quick    # smoke test
@@ -16,6 +17,7 @@ final weights of the two runs must be equal in every round.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
@@ -84,8 +86,11 @@ def _run(
     weights = [
         p.detach().clone() for p in trainer.accelerator.unwrap_model(trainer.model).parameters()
     ]
-    (start, start_cpu), (end, end_cpu) = stamps[warmup - 1], stamps[-1]
-    return (end - start) / timed, (end_cpu - start_cpu) / timed, weights
+    # The median step: a shared machine's pauses land on a few steps, not on the median.
+    timed_stamps = stamps[warmup - 1 :]
+    walls = [b[0] - a[0] for a, b in itertools.pairwise(timed_stamps)]
+    cpus = [b[1] - a[1] for a, b in itertools.pairwise(timed_stamps)]
+    return statistics.median(walls), statistics.median(cpus), weights
 
 
 def worker(size: str, rounds: int, warmup: int, timed: int) -> None:

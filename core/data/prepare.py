@@ -78,23 +78,24 @@ def _agreed_seed(state: ProcessState, data_seed: int | None = None) -> int:
     value kept. Nothing is drawn from torch's RNG: preparing a loader leaves it as it was."""
     if data_seed is not None:
         return int(data_seed)
-    seed = torch.initial_seed()
-    if state.num_processes > 1:
-        from ..runtime.collectives import broadcast
+    return _main_process_seed(torch.initial_seed(), state)
 
-        value = torch.tensor([seed], dtype=torch.int64, device=state.device)
-        seed = int(broadcast(value, from_process=0, state=state).item())
-    return seed
+
+def _main_process_seed(seed: int, state: ProcessState) -> int:
+    """Rank 0's ``seed``, sent as two 32-bit halves (torch's seeds go up to 2**64 - 1)."""
+    if state.num_processes == 1:
+        return seed
+    from ..runtime.collectives import broadcast
+
+    halves = torch.tensor([seed >> 32, seed & 0xFFFFFFFF], dtype=torch.int64, device=state.device)
+    high, low = broadcast(halves, from_process=0, state=state).tolist()
+    return (int(high) << 32) | int(low)
 
 
 def _agree_on_seed(sampler: SeedableRandomSampler, state: ProcessState) -> None:
     """Give a sampler the script built rank 0's seed (Accelerate's default seed is
     ``torch.initial_seed()``, which differs across ranks seeded apart)."""
-    if state.num_processes > 1:
-        from ..runtime.collectives import broadcast
-
-        value = torch.tensor([sampler.seed], dtype=torch.int64, device=state.device)
-        sampler.seed = int(broadcast(value, from_process=0, state=state).item())
+    sampler.seed = _main_process_seed(sampler.seed, state)
 
 
 def _seeded_batch_sampler(

@@ -159,10 +159,31 @@ def _one_process(out: str) -> dict[str, Any]:
     # One process: the final evaluation batch (2 of 10 samples, batch 4) is cut to its real
     # samples, as Accelerate's gather_for_metrics cuts it to gradient_state.remainder.
     run = {"eval_samples": 10, "eval_strategy": "steps", "eval_steps": 2, "samples": 8}
-    return {
+    results = {
         "accelerate": train("accelerate", f"{out}/accelerate", **run),
         "slipstream": train("slipstream", f"{out}/slipstream", **run),
     }
+    # slipstream's callbacks reach the Trainer's steps: BadStepGuard skips the one step whose
+    # loss is not finite (the model's output is poisoned in step 2's forward).
+    from slipstream import BadStepGuard
+
+    guard = BadStepGuard(max_bad_steps=None)
+    model, forwards = tiny_llama(), []
+
+    def poison(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+        forwards.append(1)
+        return output * float("nan") if len(forwards) == 2 else None
+
+    model.lm_head.register_forward_hook(poison)
+    options = {"callbacks": [guard]}
+    guarded = train("slipstream", f"{out}/guarded", model=model, options=options, samples=8)
+    weights = [p.detach() for p in model.parameters()]
+    results["guard"] = {
+        "skipped": guard.skipped_steps,
+        "finite": all(bool(w.isfinite().all()) for w in weights),
+        "steps": len(guarded["loss"]),
+    }
+    return results
 
 
 def test_evaluation_on_one_process_matches_accelerate(tmp_path: Path) -> None:
@@ -170,6 +191,7 @@ def test_evaluation_on_one_process_matches_accelerate(tmp_path: Path) -> None:
     assert len(result["slipstream"]["eval_loss"]) == 2
     assert_close(result["slipstream"]["eval_loss"], result["accelerate"]["eval_loss"])
     assert_close(result["slipstream"]["loss"], result["accelerate"]["loss"])
+    assert result["guard"] == {"skipped": 1, "finite": True, "steps": 4}
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------
