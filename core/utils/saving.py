@@ -329,12 +329,13 @@ def load_fsdp_optimizer(
     """
     from ..checkpoint.io import CheckpointReader
     from ..checkpoint.layout import everyone
+    from ..checkpoint.names import optimizer_folder
     from ..checkpoint.storage import Storage
 
     strategy = _optimizer_strategy(accelerator, fsdp_plugin, use_dcp, "load_fsdp_optimizer")
     storage = Storage.for_url(input_dir)
     root = storage.root
-    if "optimizer_" in storage.name(root):  # Accelerate accepts the folder itself too
+    if storage.name(root) == optimizer_folder(optimizer_index):  # Accelerate takes it too
         root = storage.parent(root)
     reader = CheckpointReader(storage, root, accelerator.state, {})
     inner = getattr(optimizer, "optimizer", optimizer)

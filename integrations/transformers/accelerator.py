@@ -88,6 +88,14 @@ def accelerator_arguments(trainer: Any, options: Mapping[str, Any]) -> dict[str,
             f"accelerator_options cannot set {clashing}: the Trainer derives them from "
             "TrainingArguments (gradient_accumulation_steps, accelerator_config, data_seed)"
         )
+    if not callable(getattr(trainer, "_build_accelerator_args", None)):
+        import transformers
+
+        raise TrainerConfigurationError(
+            f"slipstream's Trainer builds on transformers' Trainer._build_accelerator_args, "
+            f"which transformers {transformers.__version__} lacks: upgrade transformers "
+            "(tested with 5.24)"
+        )
     arguments = trainer._build_accelerator_args(
         dataloader_config=_dataloader_config(trainer),
         fsdp_plugin=_fsdp_plugin(trainer),

@@ -183,6 +183,19 @@ def _one_process(out: str) -> dict[str, Any]:
         "finite": all(bool(w.isfinite().all()) for w in weights),
         "steps": len(guarded["loss"]),
     }
+    # What is refused, with the reason (last: DeepSpeed's arguments set up DeepSpeed).
+    from slipstream.integrations.transformers import TrainerConfigurationError
+
+    refused = []
+    for options, arguments in (
+        ({"gradient_accumulation_steps": 2}, {}),
+        (None, {"deepspeed": {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}}),
+    ):
+        try:
+            train("slipstream", f"{out}/refused", options=options, samples=8, **arguments)
+        except TrainerConfigurationError as error:
+            refused.append(str(error))
+    results["refused"] = refused
     return results
 
 
@@ -192,6 +205,9 @@ def test_evaluation_on_one_process_matches_accelerate(tmp_path: Path) -> None:
     assert_close(result["slipstream"]["eval_loss"], result["accelerate"]["eval_loss"])
     assert_close(result["slipstream"]["loss"], result["accelerate"]["loss"])
     assert result["guard"] == {"skipped": 1, "finite": True, "steps": 4}
+    clash, deepspeed = result["refused"]
+    assert "accelerator_options cannot set ['gradient_accumulation_steps']" in clash
+    assert "TrainingArguments(deepspeed=...) is not supported" in deepspeed
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------
