@@ -25,6 +25,7 @@ SCRIPTS = [
     "pp_bubble.py",
     "ep_overhead.py",
     "fault_tolerance.py",
+    "trainer_overhead.py",
     "startup.py",
     "gather_metrics.py",
     "checkpoint_io.py",
@@ -47,6 +48,8 @@ TARGETS = [
     # torchft's quorum and commit vote cost a fixed ~2 ms a step: within the A/A noise on a
     # ~50 ms step, not on a 4 ms one (the tiny line has no target).
     ("fault_tolerance.py", r"^medium fault-tolerant", 1.05),
+    # transformers' Trainer: at least as many steps per second on slipstream as on Accelerate.
+    ("trainer_overhead.py", r"Trainer on slipstream", 1.0),
     ("startup.py", r"import torch, slipstream", 1.05),
     ("startup.py", r"from slipstream import Accelerator", 1.05),
     ("startup.py", r"slipstream --help", 1.05),

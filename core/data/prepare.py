@@ -73,27 +73,29 @@ def _copied_arguments(loader: DataLoader[Any]) -> dict[str, Any]:
 
 
 def _agreed_seed(state: ProcessState, data_seed: int | None = None) -> int:
-    """A shuffle seed drawn from torch's RNG on every rank (same RNG use everywhere), rank
-    0's value kept; ``data_seed`` when given."""
+    """``data_seed`` when given, else ``torch.initial_seed()`` (``set_seed`` decides it, and
+    Accelerate seeds its shuffles the same way, so both draw the same order), rank 0's
+    value kept. Nothing is drawn from torch's RNG: preparing a loader leaves it as it was."""
     if data_seed is not None:
         return int(data_seed)
-    seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    if state.num_processes > 1:
-        from ..runtime.collectives import broadcast
+    return _main_process_seed(torch.initial_seed(), state)
 
-        value = torch.tensor([seed], dtype=torch.int64, device=state.device)
-        seed = int(broadcast(value, from_process=0, state=state).item())
-    return seed
+
+def _main_process_seed(seed: int, state: ProcessState) -> int:
+    """Rank 0's ``seed``, sent as two 32-bit halves (torch's seeds go up to 2**64 - 1)."""
+    if state.num_processes == 1:
+        return seed
+    from ..runtime.collectives import broadcast
+
+    halves = torch.tensor([seed >> 32, seed & 0xFFFFFFFF], dtype=torch.int64, device=state.device)
+    high, low = broadcast(halves, from_process=0, state=state).tolist()
+    return (int(high) << 32) | int(low)
 
 
 def _agree_on_seed(sampler: SeedableRandomSampler, state: ProcessState) -> None:
     """Give a sampler the script built rank 0's seed (Accelerate's default seed is
     ``torch.initial_seed()``, which differs across ranks seeded apart)."""
-    if state.num_processes > 1:
-        from ..runtime.collectives import broadcast
-
-        value = torch.tensor([sampler.seed], dtype=torch.int64, device=state.device)
-        sampler.seed = int(broadcast(value, from_process=0, state=state).item())
+    sampler.seed = _main_process_seed(sampler.seed, state)
 
 
 def _seeded_batch_sampler(
@@ -107,9 +109,10 @@ def _seeded_batch_sampler(
       batches are those a one-process DataLoader with the global batch size draws from the
       same seed, epoch after epoch.
     * A ``RandomSampler`` without one (or any, with ``data_seed``) becomes a
-      :class:`SeedableRandomSampler` seeded once from torch's RNG (``set_seed`` decides it),
-      rank 0's draw kept, or with ``data_seed``: its order depends only on the seed and the
-      epoch, so ``set_epoch(e)`` replays epoch ``e``.
+      :class:`SeedableRandomSampler` seeded with ``torch.initial_seed()`` (``set_seed``
+      decides it; Accelerate's seed, so the order is Accelerate's), rank 0's kept, or with
+      ``data_seed``: its order depends only on the seed and the epoch, so ``set_epoch(e)``
+      replays epoch ``e``.
     * A :class:`SeedableRandomSampler` the script built is kept, with rank 0's seed.
     * Other samplers that draw from the global RNG get a generator seeded alike.
     """
@@ -332,7 +335,7 @@ def prepare_data_loader(
     to the main process's state at the start of every pass; shuffle generators are always
     kept in step (``"generator"``). ``use_seedable_sampler`` is accepted and changes
     nothing: a shuffle with the script's generator draws from it, one without is seeded
-    (``data_seed``, else from torch's RNG) and replayed by ``set_epoch``.
+    (``data_seed``, else ``torch.initial_seed()``) and replayed by ``set_epoch``.
     ``dispatch_batches`` applies to iterable datasets (with ``slice_fn_for_dispatch``
     cutting each process's rows); a map-style dataset is always sharded by index. A loader
     already prepared comes back as it is.

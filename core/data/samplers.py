@@ -267,8 +267,11 @@ class ShardedBatchSampler(Sampler[list[Any]]):
         """Yield (per-rank parts, real count when this is an incomplete final batch)."""
         parts = self.num_processes
         if parts == 1:
-            for batch in self.batch_sampler:
-                yield [list(batch)], None
+            # One process: nothing is completed, but a short final batch is still the
+            # final global batch of fewer real samples (gather_for_metrics cuts to it).
+            for batch, is_last in _flag_last(self.batch_sampler):
+                short = is_last and self.batch_size is not None and len(batch) < self.batch_size
+                yield [list(batch)], len(batch) if short else None
             return
         if self.split_batches:
             yield from self._split_global_batches()

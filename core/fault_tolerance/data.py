@@ -55,8 +55,8 @@ class FaultTolerantDataLoader:
         self.shuffle = isinstance(loader.sampler, RandomSampler)
         self.controller = controller
         self.device = device
-        if seed is None:
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        if seed is None:  # Accelerate's (and prepared loaders') seed: what set_seed set
+            seed = torch.initial_seed()
         self.seed = seed
         self.epoch = 0
         #: Samples of this epoch trained on by committed steps.

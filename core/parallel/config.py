@@ -385,6 +385,16 @@ class ParallelismConfig:
     def active_mesh_dims(self) -> list[str]:
         return [d for d in MESH_DIMS if self._size(d) > 1]
 
+    #: Accelerate's DeepSpeed (Ulysses) sequence parallelism, which slipstream does not
+    #: provide: never enabled (``transformers.Trainer`` asks).
+    sp_backend = "deepspeed"
+    sp_size = 1
+    sp_enabled = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings as ``TrainingArguments.to_dict`` stores them (:meth:`to_config`)."""
+        return self.to_config()
+
     # -- config files -------------------------------------------------------------------
     def to_config(self) -> dict[str, Any]:
         """The ``parallelism_config:`` block (sizes and plain options only)."""

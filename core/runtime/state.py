@@ -104,6 +104,10 @@ def default_backend(device: torch.device) -> str:
 class ProcessState:
     """Where this process sits in the job. Build it with :meth:`from_environment`."""
 
+    #: The active Accelerator's FSDP2 and DeepSpeed options (Accelerate's state members).
+    fsdp_plugin: Any = None
+    deepspeed_plugin: Any = None
+
     def __init__(
         self,
         *,
@@ -262,9 +266,8 @@ class ProcessState:
             return DistributedType.XLA
         if self.num_processes == 1:
             return DistributedType.NO
-        return (
-            DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
-        )
+        gpu = self.device.type == "cuda"
+        return DistributedType.MULTI_GPU if gpu else DistributedType.MULTI_CPU
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -370,11 +373,9 @@ class ProcessState:
         reset_shared_state(reset_partial_state)
 
     def __repr__(self) -> str:
-        return (
-            f"ProcessState(process_index={self.process_index}, num_processes="
-            f"{self.num_processes}, local_process_index={self.local_process_index}, "
-            f"device={self.device}, backend={self.backend})"
-        )
+        where = f"process_index={self.process_index}, num_processes={self.num_processes}"
+        local = f"local_process_index={self.local_process_index}, device={self.device}"
+        return f"ProcessState({where}, {local}, backend={self.backend})"
 
 
 def _attempt_store(launch: LaunchEnvironment, timeout: timedelta | None) -> dist.Store:
