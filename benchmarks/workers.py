@@ -78,7 +78,7 @@ def _launch(command: list[str], processes: int, env: dict[str, str]) -> tuple[st
             ranks.append(
                 (subprocess.Popen(command, stdout=out, stderr=err, env=variables), out, err)
             )
-        while any(p.poll() is None for p, _, _ in ranks):
+        while any([p.poll() is None for p, _, _ in ranks]):  # a list: poll every rank
             if any(p.returncode not in (None, 0) for p, _, _ in ranks):
                 for p, _, _ in ranks:
                     if p.poll() is None:
