@@ -305,6 +305,27 @@ def is_set(name: str) -> bool:
     return name in os.environ
 
 
+#: Accelerate's launcher hands the layout to its workers in these (``accelerate launch
+#: --parallelism_config_tp_size 2`` or a config file's ``parallelism_config`` block).
+PARALLELISM_PREFIX = "PARALLELISM_CONFIG_"
+
+
+def parallelism_environment() -> dict[str, str]:
+    """Accelerate's ``PARALLELISM_CONFIG_*`` variables, keyed by the option they set
+    (``PARALLELISM_CONFIG_TP_SIZE=2`` -> ``{"tp_size": "2"}``)."""
+    return {
+        key.removeprefix(PARALLELISM_PREFIX).lower(): value
+        for key, value in os.environ.items()
+        if key.startswith(PARALLELISM_PREFIX)
+    }
+
+
+def accelerate_layout_requested() -> bool:
+    """Whether ``accelerate launch`` asked for a parallel layout
+    (``ACCELERATE_USE_PARALLELISM_CONFIG=true``), described by :func:`parallelism_environment`."""
+    return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() in _YES
+
+
 # -- Accelerate's environment helpers (``slipstream.utils``) ---------------------------------
 
 
