@@ -265,6 +265,7 @@ class Accelerator(
         self.trackers: list[GeneralTracker] = []
         self.active_loaders = ActiveLoaders()
         self.active_loaders.on_pass_end = self._dataloader_pass_ended  # a method: pickles
+        self.active_loaders.gradient_state = self._current_gradient_state
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []

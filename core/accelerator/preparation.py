@@ -22,7 +22,7 @@ from ..precision import Precision
 from ..runtime.state import ProcessState
 from ..strategies import Strategy
 from .compile import compile_model
-from .shared_state import refuse_if_reset
+from .shared_state import GradientState, refuse_if_reset
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -317,6 +317,10 @@ class PreparationMixin:
         """A prepared loader finished a whole pass: the callbacks' hook. (A method, not a
         lambda, so an Accelerator holding prepared loaders pickles.)"""
         self.callbacks.call("on_dataloader_epoch_end", self, loader)
+
+    def _current_gradient_state(self) -> GradientState:
+        """A prepared loader's ``gradient_state`` (Accelerate's loaders have one)."""
+        return self.gradient_state  # type: ignore[attr-defined, no-any-return]
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap an LR scheduler so it steps with its prepared optimizer (one prepared before
