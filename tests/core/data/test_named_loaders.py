@@ -9,7 +9,6 @@ import pickle
 import weakref
 
 import pytest
-import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from slipstream import Accelerator
