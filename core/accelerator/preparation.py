@@ -128,6 +128,10 @@ class PreparationMixin:
         ]
         if model_slots or optimizer_slots:
             models = [args[i] for i in model_slots]
+            from ..big_modeling.offloaded_models import refuse_offloaded_quantized
+
+            for model in models:
+                refuse_offloaded_quantized(model)
             if self.strategy_autocasts:
                 models = [self.precision.convert_model(m) for m in models]
             context: dict[str, Any] = {}
