@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -262,9 +263,13 @@ def clean_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> dict
     return plan
 
 
-def check_device_map(model: nn.Module, device_map: Mapping[str, DeviceLike]) -> dict[str, Device]:
-    """``device_map`` with its devices normalised, after checking that every key names a
-    module or tensor of ``model``, every device exists here and every weight is covered.
+def check_device_map(
+    model: nn.Module, device_map: Mapping[str, DeviceLike], must_exist: bool = False
+) -> dict[str, Device]:
+    """``device_map`` with its devices normalised, after checking that every device is one
+    (and, with ``must_exist``, that this machine has it: dispatching and loading ask) and
+    every weight is covered. Keys that name no module or tensor of ``model`` are left out
+    with a warning (as Accelerate does), naming close matches.
 
     Example::
 
@@ -278,14 +283,19 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, DeviceLike]) -> 
     modules = {name for name, _ in model.named_modules()}
     tensors = all_tensor_names(model)
     checked: dict[str, Device] = {}
+    unknown: list[str] = []
     for key, device in device_map.items():
         if not isinstance(key, str) or (key not in modules and key not in tensors):
             close = difflib.get_close_matches(str(key), [*modules, *tensors], n=3)
-            hint = f"; did you mean {close}?" if close else ""
-            raise DeviceMapError(
-                f"device_map key {key!r} is not a module or tensor of {type(model).__name__}{hint}"
-            )
-        checked[key] = normalize_device(device, f"device_map[{key!r}]")
+            unknown.append(f"{key!r}" + (f" (did you mean {close}?)" if close else ""))
+            continue
+        checked[key] = normalize_device(device, f"device_map[{key!r}]", must_exist)
+    if unknown:
+        warnings.warn(
+            f"device_map keys do not match any submodules or tensors of "
+            f"{type(model).__name__}, and are ignored: {', '.join(unknown)}",
+            stacklevel=2,
+        )
     assignment = assign_tensors(model, checked)
     persistent = model.state_dict(keep_vars=True)
     uncovered = [name for name in persistent if name not in assignment]
@@ -352,5 +362,5 @@ def resolve_device_map(
             )
             budgets = {device: size for device, size in balanced.items()}
         planned = infer_auto_device_map(model, budgets, no_split_module_classes, dtype)
-        return check_device_map(model, planned)
-    return check_device_map(model, device_map)
+        return check_device_map(model, planned, must_exist=True)
+    return check_device_map(model, device_map, must_exist=True)

@@ -87,4 +87,3 @@ class ActiveLoaders(Generic[PreparedDataLoader]):
     def pop(self, loader: PreparedDataLoader) -> None:
         if loader in self.stack:
             self.stack.remove(loader)
-

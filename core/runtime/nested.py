@@ -66,10 +66,11 @@ def recursively_apply(
         if test_type(value):
             return func(value, *args, **kwargs)
         if error_on_other_type:
+            # Accelerate's wording: scripts and tests compare it.
             raise TypeError(
-                f"{getattr(func, '__name__', func)!s} got a {type(value).__name__}; it takes "
-                f"nested lists/tuples/dicts of objects accepted by "
-                f"{getattr(test_type, '__name__', test_type)!s}"
+                f"Unsupported types ({type(value)}) passed to `{getattr(func, '__name__', func)!s}`. "
+                "Only nested list/tuple/dicts of objects that are valid for "
+                f"`{getattr(test_type, '__name__', test_type)!s}` should be passed."
             )
         return value
 
