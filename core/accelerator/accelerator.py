@@ -39,7 +39,6 @@ from ..options.kwargs import (
     KwargsHandler,
     ProfileKwargs,
     ProjectConfiguration,
-    TorchDynamoPlugin,
 )
 from ..parallel.api import ParallelMixin
 from ..precision import Precision, canonical_mode, make_precision, restore_forward
@@ -61,6 +60,7 @@ from .assembly import (
     xla_strategy_name,
 )
 from .checkpointing import CheckpointingMixin
+from .compile import TorchDynamoPlugin
 from .preparation import PreparationMixin
 from .profiling import ProfilingMixin
 from .run_info import RunInfoMixin

@@ -17,11 +17,11 @@ from ..extensions import find_preparer
 from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
 from ..optim.scheduler import AcceleratedScheduler
 from ..optim.step import StepState
-from ..options.kwargs import DataLoaderConfiguration, TorchDynamoPlugin
+from ..options.kwargs import DataLoaderConfiguration
 from ..precision import Precision
 from ..runtime.state import ProcessState
 from ..strategies import Strategy
-from .compile import compile_model
+from .compile import TorchDynamoPlugin, compile_model
 from .shared_state import GradientState, refuse_if_reset
 
 if TYPE_CHECKING:

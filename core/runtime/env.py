@@ -326,6 +326,16 @@ def accelerate_layout_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() in _YES
 
 
+def dynamo_environment() -> dict[str, str]:
+    """``accelerate launch``'s ``torch.compile`` settings for its workers
+    (``ACCELERATE_DYNAMO_BACKEND`` -> ``{"backend": ...}``, ``MODE``, ``USE_FULLGRAPH``,
+    ``USE_DYNAMIC``)."""
+    prefix = "ACCELERATE_DYNAMO_"
+    return {
+        k.removeprefix(prefix).lower(): v for k, v in os.environ.items() if k.startswith(prefix)
+    }
+
+
 # -- Accelerate's environment helpers (``slipstream.utils``) ---------------------------------
 
 
