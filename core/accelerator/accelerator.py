@@ -48,7 +48,7 @@ from ..runtime.process_control import ProcessControl
 from ..runtime.state import DistributedType, join_or_build_state, shared_state_generation
 from ..runtime.tree import map_tensors, tensor_leaves
 from ..strategies import available_strategies, get_strategy_class
-from ..tracking import GeneralTracker, resolve_log_with
+from ..tracking import GeneralTracker, check_logging_directories, resolve_log_with
 from ..tracking.api import TrackingMixin
 from . import megatron
 from .assembly import (
@@ -273,6 +273,7 @@ class Accelerator(
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
+        check_logging_directories(self.log_with, self.project_configuration.logging_dir)
         self._custom_objects: list[Any] = []
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}

@@ -22,7 +22,7 @@ named in a warning printed by the main process, and the figures go to the tracke
 Example::
 
     monitor = StragglerMonitor(log_every_n_steps=50, factor=1.5)
-    accelerator = Accelerator(callbacks=[monitor], log_with="tensorboard")
+    accelerator = Accelerator(callbacks=[monitor], log_with="tensorboard", project_dir="runs")
     ...
     monitor.stragglers      # the processes named in the last window, e.g. [3]
 """
