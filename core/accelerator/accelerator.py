@@ -1,8 +1,7 @@
 """The Accelerator: the four-line front door to slipstream.
 
-It is a facade. The process state knows who we are, the strategy wraps models for the
-parallelism in use, the precision object runs autocast and loss scaling, the data package
-shards loaders and the collectives module moves tensors between processes.
+A facade: the process state knows who we are, the strategy wraps models, the precision
+object runs autocast and loss scaling, the data package shards loaders, collectives move data.
 
 Example::
 
@@ -371,10 +370,18 @@ class Accelerator(
     def gradient_accumulation_steps(self) -> int:
         return self.step_state.gradient_accumulation_steps
 
-    @property
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.step_state.set_accumulation(steps)
+
+    @property  # settable too, as Accelerate's
     def sync_gradients(self) -> bool:
         """True when the current micro-step synchronises gradients and steps the optimizer."""
         return self.step_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.step_state.sync_gradients = bool(value)
 
     @property
     def step(self) -> int:
@@ -391,14 +398,20 @@ class Accelerator(
         return self.precision.scaler
 
     # -- models -------------------------------------------------------------------------------
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
-        """The user's module without the strategy's (and torch.compile's) wrappers."""
+    def unwrap_model(
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = False
+    ) -> nn.Module:
+        """The user's module without the strategy's, DataParallel's and torch.compile's
+        wrappers (``keep_torch_compile=True``: a torch.compile wrapper of that module)."""
         inner = getattr(model, "_orig_mod", model)
         inner = self.strategy.unwrap_model(inner)
+        while isinstance(inner, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            inner = inner.module
         inner = getattr(inner, "_orig_mod", inner)
         if not keep_fp32_wrapper:
             restore_forward(inner)
-        return inner
+        keep = keep_torch_compile and hasattr(model, "_orig_mod")
+        return torch.compile(inner) if keep else inner  # type: ignore[return-value]
 
     def get_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full state dict of a prepared model (collective for sharded strategies)."""
