@@ -311,8 +311,7 @@ PARALLELISM_PREFIX = "PARALLELISM_CONFIG_"
 
 
 def parallelism_environment() -> dict[str, str]:
-    """Accelerate's ``PARALLELISM_CONFIG_*`` variables, keyed by the option they set
-    (``PARALLELISM_CONFIG_TP_SIZE=2`` -> ``{"tp_size": "2"}``)."""
+    """``PARALLELISM_CONFIG_*`` by option: ``PARALLELISM_CONFIG_TP_SIZE=2`` -> ``{"tp_size": "2"}``."""
     return {
         key.removeprefix(PARALLELISM_PREFIX).lower(): value
         for key, value in os.environ.items()
@@ -320,16 +319,19 @@ def parallelism_environment() -> dict[str, str]:
     }
 
 
+def device_override() -> str | None:
+    """Accelerate's ``ACCELERATE_TORCH_DEVICE``: the device every process uses, if set."""
+    return os.environ.get("ACCELERATE_TORCH_DEVICE") or None
+
+
 def accelerate_layout_requested() -> bool:
-    """Whether ``accelerate launch`` asked for a parallel layout
-    (``ACCELERATE_USE_PARALLELISM_CONFIG=true``), described by :func:`parallelism_environment`."""
+    """Whether ``accelerate launch`` set ``ACCELERATE_USE_PARALLELISM_CONFIG=true``."""
     return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() in _YES
 
 
 def dynamo_environment() -> dict[str, str]:
-    """``accelerate launch``'s ``torch.compile`` settings for its workers
-    (``ACCELERATE_DYNAMO_BACKEND`` -> ``{"backend": ...}``, ``MODE``, ``USE_FULLGRAPH``,
-    ``USE_DYNAMIC``)."""
+    """``accelerate launch``'s ``torch.compile`` settings (``ACCELERATE_DYNAMO_BACKEND`` ->
+    ``{"backend": ...}``, ``MODE``, ``USE_FULLGRAPH``, ``USE_DYNAMIC``)."""
     prefix = "ACCELERATE_DYNAMO_"
     return {
         k.removeprefix(prefix).lower(): v for k, v in os.environ.items() if k.startswith(prefix)

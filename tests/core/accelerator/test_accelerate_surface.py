@@ -28,3 +28,11 @@ def test_unwrap_removes_dataparallel_and_compile_unless_asked_to_keep_compile():
     kept = accelerator.unwrap_model(wrapped, keep_torch_compile=True)
     assert kept._orig_mod is model and wrapped._orig_mod.module is model  # not changed
     assert accelerator.unwrap_model(model, keep_torch_compile=True) is model
+
+
+def test_accelerates_device_variable_chooses_the_device(monkeypatch):
+    from slipstream.runtime.state import select_device
+
+    assert select_device(0, 1, cpu=True) == torch.device("cpu")
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu:3")
+    assert select_device(0, 1, cpu=True) == torch.device("cpu", 3)
