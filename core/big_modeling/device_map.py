@@ -195,13 +195,15 @@ def infer_auto_device_map(
     the disk) the execution device keeps room for the largest block; a budget too small
     for that block is a :class:`DeviceMapError` naming it.
 
+    Buffers of offloaded modules stay on the execution device: a warning says when they do
+    not fit there (``offload_buffers=True`` loads them with their module instead).
+
     Example::
 
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config)
         infer_auto_device_map(model, max_memory={0: "10GiB", "cpu": "30GiB"})
     """
-    del offload_buffers  # buffers stay on the execution device; accepted for Accelerate
     budgets = get_max_memory(max_memory)
     resolved = resolve_dtype(dtype)
     special = {k: resolve_dtype(v) for k, v in (special_dtypes or {}).items()}
@@ -213,7 +215,31 @@ def infer_auto_device_map(
         # Something runs from elsewhere: plan again keeping room to bring its largest block in.
         plan = planner.run(reserve=True)
         _check_room_for_blocks(planner, plan)
+        if not offload_buffers:
+            _check_room_for_buffers(planner, plan)
     return clean_device_map(model, plan) if clean_result else plan
+
+
+def _check_room_for_buffers(planner: _Planner, plan: dict[str, Device]) -> None:
+    """Offloaded modules keep their buffers on the execution device (unless
+    ``offload_buffers``): warn when those cannot fit next to what is placed there."""
+    main = planner.main
+    if main not in planner.budgets:
+        return
+    here = sum(planner.size(_unit(planner.model, n)) for n, d in plan.items() if d == main)
+    buffers = 0
+    for name in planner.offloaded(plan):
+        unit = _unit(planner.model, name)[1]
+        if isinstance(unit, nn.Module):
+            buffers += sum(planner.size_of.get(id(b), 0) for b in unit.buffers())
+    if here + buffers > planner.budgets[main]:
+        warnings.warn(
+            f"the buffers of the offloaded modules ({describe_bytes(buffers)}) stay on "
+            f"{main!r} when they run, and do not fit in {describe_budget(main, planner.budgets[main])} "
+            f"next to the {describe_bytes(here)} placed there; pass offload_buffers=True (they "
+            f"are then loaded with their module) or raise max_memory[{main!r}]",
+            stacklevel=3,
+        )
 
 
 def _check_room_for_blocks(planner: _Planner, plan: dict[str, Device]) -> None:

@@ -142,3 +142,21 @@ def test_tensor_names_may_be_map_keys():
         "0.weight": "cpu",
         "0.bias": "disk",
     }
+
+
+def test_buffers_of_offloaded_modules_that_cannot_fit_on_the_gpu_are_warned_about():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(4, 4), nn.Linear(4, 4))  # 24, 80, 80 B
+    for layer in model[1:]:
+        layer.register_buffer("stats", torch.zeros(32))  # 128 B each
+    budget = {0: 250, "cpu": "1GB"}  # the first layer fits next to the largest block's room
+    with pytest.warns(UserWarning, match=r"buffers of the offloaded modules \(256 ?B\) stay on 0"):
+        plan = infer_auto_device_map(model, max_memory=budget)
+    assert plan == {"0": 0, "1": "cpu", "2": "cpu"}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert infer_auto_device_map(model, max_memory=budget, offload_buffers=True) == plan
+        # Nothing offloaded: a GPU is filled up, with no room kept for a block (Accelerate
+        # keeps the largest layer's room on every GPU but the last all the same).
+        assert infer_auto_device_map(model, max_memory={0: 300, 1: 300}) == {"0": 0, "1": 0, "2": 1}
