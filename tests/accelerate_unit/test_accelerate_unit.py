@@ -33,7 +33,7 @@ from tests.accelerate_peer import (
 from tests.distributed import REPO, device_environment
 
 from .plugin import REPORT_VARIABLE
-from .scope import OUT_OF_SCOPE_FILES
+from .scope import OUT_OF_SCOPE_FILES, OUT_OF_SCOPE_TESTS
 
 if accelerate_package() is None:  # pragma: no cover - accelerate is a test dependency
     pytest.skip("accelerate is not installed", allow_module_level=True)
@@ -138,6 +138,12 @@ def _shown(record: dict[str, Any]) -> str:
     if record["outcome"] == "failed" and expected_failure(record["test"]):
         outcome = "FAILED (expected: docs/compatibility.md)"
     return f"{outcome} {why}" if why and record["outcome"] != "passed" else outcome
+
+
+def test_the_readme_lists_what_is_out_of_scope() -> None:
+    readme = (Path(__file__).parent / "README.md").read_text()
+    unlisted = [k for k in [*OUT_OF_SCOPE_FILES, *OUT_OF_SCOPE_TESTS] if f"`{k}`" not in readme]
+    assert not unlisted, f"tests/accelerate_unit/README.md does not list {unlisted}"
 
 
 def test_every_file_is_placed(source: Path) -> None:
