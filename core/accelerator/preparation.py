@@ -324,7 +324,7 @@ class PreparationMixin:
 
     def _current_gradient_state(self) -> GradientState:
         """A prepared loader's ``gradient_state`` (Accelerate's loaders have one)."""
-        return self.gradient_state  # type: ignore[attr-defined, no-any-return]
+        return self.gradient_state  # type: ignore[attr-defined]
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap an LR scheduler so it steps with its prepared optimizer (one prepared before

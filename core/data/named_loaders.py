@@ -34,7 +34,8 @@ class _AccelerateConstructor(PreparedDataLoader):
         if use_stateful_dataloader and not cls.use_stateful_dataloader:
             from .stateful import stateful_loader_class
 
-            cls = stateful_loader_class(cls)  # Python then runs its __init__
+            stateful: Any = stateful_loader_class(cls)  # type: ignore[arg-type]
+            return super().__new__(stateful)  # Python then runs its __init__
         return super().__new__(cls)
 
     def __init__(

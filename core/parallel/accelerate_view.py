@@ -118,12 +118,12 @@ class AccelerateView:
             return None
         shape = tuple(sizes.size(d) for d in names)
         # Looked up on the module when called, as Accelerate does (tests replace it there).
-        mesh: Any = device_mesh.init_device_mesh(device_type, shape, mesh_dim_names=names)
+        mesh: DeviceMesh = device_mesh.init_device_mesh(device_type, shape, mesh_dim_names=names)
         for dims, name in (
             (self.dp_dim_names, "dp"),
             (self.dp_shard_cp_dim_names, "dp_shard_cp"),
             (self.dp_cp_dim_names, "dp_cp"),
         ):
-            if dims:
-                mesh[dims]._flatten(name)
-        return mesh  # type: ignore[no-any-return]
+            if dims:  # indexed by the list itself, as Accelerate does (torch takes it)
+                mesh[dims]._flatten(name)  # type: ignore[index]
+        return mesh
