@@ -50,7 +50,7 @@ _EXPORTS = {
     "StragglerMonitor": "callbacks",
     "ThroughputMonitor": "callbacks",
     "TorchContextParallelConfig": "parallel",
-    "TorchDynamoPlugin": "options.kwargs",
+    "TorchDynamoPlugin": "accelerator.compile",
     "TorchTensorParallelConfig": "parallel",
     "broadcast": "runtime.collectives",
     "broadcast_object_list": "runtime.collectives",

@@ -1,8 +1,7 @@
 """The Accelerator: the four-line front door to slipstream.
 
-It is a facade. The process state knows who we are, the strategy wraps models for the
-parallelism in use, the precision object runs autocast and loss scaling, the data package
-shards loaders and the collectives module moves tensors between processes.
+A facade: the process state knows who we are, the strategy wraps models, the precision
+object runs autocast and loss scaling, the data package shards loaders, collectives move data.
 
 Example::
 
@@ -39,7 +38,6 @@ from ..options.kwargs import (
     KwargsHandler,
     ProfileKwargs,
     ProjectConfiguration,
-    TorchDynamoPlugin,
 )
 from ..parallel.api import ParallelMixin
 from ..precision import Precision, canonical_mode, make_precision
@@ -49,7 +47,7 @@ from ..runtime.process_control import ProcessControl
 from ..runtime.state import DistributedType, join_or_build_state, shared_state_generation
 from ..runtime.tree import map_tensors, tensor_leaves
 from ..strategies import available_strategies, get_strategy_class
-from ..tracking import GeneralTracker, resolve_log_with
+from ..tracking import GeneralTracker, check_logging_directories, resolve_log_with
 from ..tracking.api import TrackingMixin
 from . import adopt, megatron
 from .assembly import (
@@ -61,6 +59,7 @@ from .assembly import (
     xla_strategy_name,
 )
 from .checkpointing import CheckpointingMixin
+from .compile import TorchDynamoPlugin
 from .preparation import PreparationMixin
 from .profiling import ProfilingMixin
 from .run_info import RunInfoMixin
@@ -275,6 +274,7 @@ class Accelerator(
         self.trackers: list[GeneralTracker] = []
         self.active_loaders = ActiveLoaders()
         self.active_loaders.on_pass_end = self._dataloader_pass_ended  # a method: pickles
+        self.active_loaders.gradient_state = self._current_gradient_state
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -282,6 +282,7 @@ class Accelerator(
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
+        check_logging_directories(self.log_with, self.project_configuration.logging_dir)
         self._custom_objects: list[Any] = []
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}
@@ -379,10 +380,18 @@ class Accelerator(
     def gradient_accumulation_steps(self) -> int:
         return self.step_state.gradient_accumulation_steps
 
-    @property
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.step_state.set_accumulation(steps)
+
+    @property  # settable too, as Accelerate's
     def sync_gradients(self) -> bool:
         """True when the current micro-step synchronises gradients and steps the optimizer."""
         return self.step_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.step_state.sync_gradients = bool(value)
 
     @property
     def step(self) -> int:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..options import kwargs as options
+from .compile import TorchDynamoPlugin
 
 if TYPE_CHECKING:
     from ..parallel.config import ParallelismConfig
@@ -122,10 +123,10 @@ def project_config(config: Any) -> options.ProjectConfiguration | None:
     return _convert(config, options.ProjectConfiguration, "project_config")
 
 
-def dynamo_plugin(plugin: Any) -> options.TorchDynamoPlugin | None:
+def dynamo_plugin(plugin: Any) -> TorchDynamoPlugin | None:
     """Accelerate's ``TorchDynamoPlugin``: its backend enum as a name, ``disable=True`` as
     backend ``"no"``; regional compilation is refused."""
-    if plugin is None or isinstance(plugin, options.TorchDynamoPlugin):
+    if plugin is None or isinstance(plugin, TorchDynamoPlugin):
         return plugin
     if getattr(plugin, "use_regional_compilation", False):
         raise ValueError(
@@ -133,7 +134,7 @@ def dynamo_plugin(plugin: Any) -> options.TorchDynamoPlugin | None:
             "whole prepared model (set use_regional_compilation=False)"
         )
     converted = _convert(
-        plugin, options.TorchDynamoPlugin, "dynamo_plugin", ("disable", "use_regional_compilation")
+        plugin, TorchDynamoPlugin, "dynamo_plugin", ("disable", "use_regional_compilation")
     )
     if getattr(plugin, "disable", False):
         converted.backend = "no"

@@ -17,12 +17,12 @@ from ..extensions import find_preparer
 from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
 from ..optim.scheduler import AcceleratedScheduler
 from ..optim.step import StepState
-from ..options.kwargs import DataLoaderConfiguration, TorchDynamoPlugin
+from ..options.kwargs import DataLoaderConfiguration
 from ..precision import Precision, restore_forward
 from ..runtime.state import ProcessState
 from ..strategies import Strategy
-from .compile import compile_model
-from .shared_state import refuse_if_reset
+from .compile import TorchDynamoPlugin, compile_model
+from .shared_state import GradientState, refuse_if_reset
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -128,6 +128,10 @@ class PreparationMixin:
         ]
         if model_slots or optimizer_slots:
             models = [args[i] for i in model_slots]
+            from ..big_modeling.offloaded_models import refuse_offloaded_quantized
+
+            for model in models:
+                refuse_offloaded_quantized(model)
             if self.strategy_autocasts:
                 models = [self.precision.convert_model(m) for m in models]
             context: dict[str, Any] = {}
@@ -294,17 +298,21 @@ class PreparationMixin:
 
         ``keep_torch_compile=True`` returns the compiled module when ``torch.compile``
         wrapped the user's module itself (no strategy wrapper between); a compiled wrapper
-        around DDP is never rewired (Accelerate swaps its ``_orig_mod``), so then the plain
-        module comes back. (Accelerate keeps the compiled module by default.)
+        around DDP is never rewired (Accelerate swaps its ``_orig_mod``): a new
+        ``torch.compile`` wrapper of the user's module comes back instead. (Accelerate keeps
+        the compiled module by default.)
         """
         inner = getattr(model, "_orig_mod", model)
         inner = self.strategy.unwrap_model(inner)
+        while isinstance(inner, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            inner = inner.module
         inner = getattr(inner, "_orig_mod", inner)
         if not keep_fp32_wrapper:
             restore_forward(inner)
         if keep_torch_compile and getattr(model, "_orig_mod", None) is inner:
             return model
-        return inner
+        keep = keep_torch_compile and hasattr(model, "_orig_mod")
+        return torch.compile(inner) if keep else inner  # type: ignore[return-value]
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         """Prepare one optimizer (see :meth:`prepare`)."""
@@ -377,6 +385,10 @@ class PreparationMixin:
         """A prepared loader finished a whole pass: the callbacks' hook. (A method, not a
         lambda, so an Accelerator holding prepared loaders pickles.)"""
         self.callbacks.call("on_dataloader_epoch_end", self, loader)
+
+    def _current_gradient_state(self) -> GradientState:
+        """A prepared loader's ``gradient_state`` (Accelerate's loaders have one)."""
+        return self.gradient_state  # type: ignore[attr-defined]
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap an LR scheduler so it steps with its prepared optimizer (one prepared before

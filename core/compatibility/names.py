@@ -78,21 +78,19 @@ add(
     "ParallelismConfig objects are accepted by the Accelerator; adds pipeline parallelism (pp_size, pp_schedule, ...), expert parallelism "
     "(ep_size, ep_plan) and tp_plan; " + _KEYWORDS,
 )
-add(
-    _BOTH,
-    DIFFERENT,
-    "find_executable_batch_size",
-    "no reduce_batch_size_fn: the batch size is halved after each out-of-memory error",
-)
+add(_BOTH, SAME, "find_executable_batch_size")
 add(
     _BOTH,
     DIFFERENT,
     "infer_auto_device_map",
-    "no fallback_allocation: a block that fits nowhere is an error naming the budget to raise",
+    "no fallback_allocation: a block that fits nowhere is an error naming the budget to raise; "
+    "room for the largest block is kept on the execution device only when something is "
+    "offloaded (GPUs are filled otherwise), so maps can differ from Accelerate's",
 )
 _LOAD_CHECKPOINT = (
-    "strict by default, local files only, no .dat offload folders; no keep_in_fp32_modules, "
-    "offload_8bit_bnb, full_state_dict or broadcast_from_rank0"
+    "local files only, no .dat offload folders (safetensors and an index.json); a checkpoint "
+    "with no key in common with the model is refused even with strict=False; no "
+    "keep_in_fp32_modules, offload_8bit_bnb, full_state_dict or broadcast_from_rank0"
 )
 add(TOP, DIFFERENT, "load_checkpoint_and_dispatch", _LOAD_CHECKPOINT)
 add(_BOTH, DIFFERENT, "load_checkpoint_in_model", _LOAD_CHECKPOINT)
@@ -436,9 +434,9 @@ add_each(
         ),
         "should_save_model": "always True",
         "unwrap_model": (
-            "keep_torch_compile defaults to False (torch.compile's wrapper is removed); True "
-            "keeps it only when it wraps the user's module itself: a compiled DDP/FSDP "
-            "wrapper is never rewired (Accelerate replaces its _orig_mod)"
+            "keep_torch_compile defaults to False (Accelerate: True): torch.compile's wrapper "
+            "is removed unless asked for; kept, it is the compiled module itself where it wraps "
+            "the user's module, otherwise a new torch.compile wrapper of the unwrapped module"
         ),
         "use_seedable_sampler": (
             "accepted and changes nothing: a shuffle with the script's generator draws from it "

@@ -255,18 +255,6 @@ class ProfileKwargs(KwargsHandler):
 
 
 @dataclass
-class TorchDynamoPlugin:
-    """``torch.compile`` settings: ``backend`` ("inductor", "aot_eager", ... or "no"),
-    ``mode``, ``fullgraph``, ``dynamic`` and backend ``options``."""
-
-    backend: str = "no"
-    mode: str | None = None
-    fullgraph: bool = False
-    dynamic: bool | None = None
-    options: dict[str, Any] | None = None
-
-
-@dataclass
 class ProjectConfiguration:
     """Where a run keeps its checkpoints and logs.
 

@@ -305,6 +305,39 @@ def is_set(name: str) -> bool:
     return name in os.environ
 
 
+#: Accelerate's launcher hands the layout to its workers in these (``accelerate launch
+#: --parallelism_config_tp_size 2`` or a config file's ``parallelism_config`` block).
+PARALLELISM_PREFIX = "PARALLELISM_CONFIG_"
+
+
+def parallelism_environment() -> dict[str, str]:
+    """``PARALLELISM_CONFIG_*`` by option: ``PARALLELISM_CONFIG_TP_SIZE=2`` -> ``{"tp_size": "2"}``."""
+    return {
+        key.removeprefix(PARALLELISM_PREFIX).lower(): value
+        for key, value in os.environ.items()
+        if key.startswith(PARALLELISM_PREFIX)
+    }
+
+
+def device_override() -> str | None:
+    """Accelerate's ``ACCELERATE_TORCH_DEVICE``: the device every process uses, if set."""
+    return os.environ.get("ACCELERATE_TORCH_DEVICE") or None
+
+
+def accelerate_layout_requested() -> bool:
+    """Whether ``accelerate launch`` set ``ACCELERATE_USE_PARALLELISM_CONFIG=true``."""
+    return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() in _YES
+
+
+def dynamo_environment() -> dict[str, str]:
+    """``accelerate launch``'s ``torch.compile`` settings (``ACCELERATE_DYNAMO_BACKEND`` ->
+    ``{"backend": ...}``, ``MODE``, ``USE_FULLGRAPH``, ``USE_DYNAMIC``)."""
+    prefix = "ACCELERATE_DYNAMO_"
+    return {
+        k.removeprefix(prefix).lower(): v for k, v in os.environ.items() if k.startswith(prefix)
+    }
+
+
 # -- Accelerate's environment helpers (``slipstream.utils``) ---------------------------------
 
 

@@ -1,9 +1,8 @@
 """ProcessState: this process's rank, world, device and process group, built once from the
 launcher environment.
 
-There is no shared-``__dict__`` singleton: a state is an ordinary object. The Accelerator
-creates one and makes it *current*, so free functions (collectives, ``set_seed``) can find
-it; code that wants several explicit states can pass them around instead.
+No shared-``__dict__`` singleton: a state is an ordinary object the Accelerator makes
+*current*, so free functions (collectives, ``set_seed``) find it; or pass states around.
 
 Example::
 
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from . import env
 from .env import LaunchEnvironment, enable_flight_recorder, read_launch_environment
 from .errors import guarded
 from .flight import PROGRESS, is_timeout, report_timeout
@@ -63,8 +63,7 @@ FLIGHT_RECORDER_ENTRIES = 2000
 
 
 class JobMesh(Protocol):
-    """What the process state reads of the job's device mesh (built by
-    :class:`slipstream.parallel.mesh.ParallelMesh`, which has more)."""
+    """What the state reads of the job's mesh (:class:`~slipstream.parallel.mesh.ParallelMesh`)."""
 
     mesh: DeviceMesh
 
@@ -87,7 +86,9 @@ class ProcessStateError(RuntimeError):
 
 
 def select_device(local_rank: int, world_size: int, cpu: bool) -> torch.device:
-    """CUDA by local rank, else MPS for a single process, else CPU."""
+    """``ACCELERATE_TORCH_DEVICE`` if set, else CUDA by local rank, MPS for one process, CPU."""
+    if (override := env.device_override()) is not None:
+        return torch.device(override)
     if not cpu and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     mps = getattr(torch.backends, "mps", None)

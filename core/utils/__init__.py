@@ -55,7 +55,7 @@ _EXPORTS = {
     "KwargsHandler": ".options.kwargs",
     "ProfileKwargs": ".options.kwargs",
     "ProjectConfiguration": ".options.kwargs",
-    "TorchDynamoPlugin": ".options.kwargs",
+    "TorchDynamoPlugin": ".accelerator.compile",
     "ParallelismConfig": ".parallel",
     "TorchContextParallelConfig": ".parallel",
     "TorchTensorParallelConfig": ".parallel",

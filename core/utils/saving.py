@@ -46,8 +46,8 @@ def clean_state_dict_for_safetensors(state_dict: Mapping[str, Any]) -> dict[str,
     dropped = {name for group in names.values() for name in group[1:]}
     if dropped:
         logger.warning(
-            "removed tensors that share memory with another entry while saving: %s (tie them "
-            "again after loading)",
+            "Removed shared tensor %s while saving: they share memory with another entry "
+            "(safetensors stores each storage once); tie them again after loading",
             sorted(dropped),
         )
     return {

@@ -243,8 +243,13 @@ def test_prepare_data_loader_on_one_process():
     assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
     stream = prepare_data_loader(DataLoader(Stream(), batch_size=4), dispatch_batches=True)
     assert isinstance(stream, DataLoaderShard), "one process has nothing to dispatch"
+    # A job of one process may build another layout's shard (Accelerate's tests do).
+    other = prepare_data_loader(DataLoader(range(6), batch_size=1), None, 2, 1)
+    assert [b.tolist() for b in other] == [[1], [3], [5]]
     with pytest.raises(ValueError, match="does not describe this process"):
-        prepare_data_loader(DataLoader(range(4)), 2, 2, 1)
+        prepare_data_loader(DataLoader(range(4)), None, 2, 2)
+    items = prepare_data_loader(DataLoader(Stream(), batch_size=None))  # items are batches
+    assert list(items) == list(range(10))
     kinds = [RNGType.TORCH, RNGType.GENERATOR]  # "generator": the shuffle's, always in step
     assert prepare_data_loader(DataLoader(range(4)), rng_types=kinds).rng_types == ["torch"]
     set_seed(3)
