@@ -95,8 +95,9 @@ def preset(name: str) -> Device:
     raise ConfigError(f"unknown --device {name!r}; presets: {', '.join(PRESETS)}")
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)([Bb])?(ps|/s)?\s*$")
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_SIZE = re.compile(r"^\s*" + _NUMBER + r"\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+_RATE = re.compile(r"^\s*" + _NUMBER + r"\s*([KMGT]?)([Bb])?(ps|/s)?\s*$")
 
 
 def parse_size(text: str, flag: str = "--device_memory") -> float:

@@ -97,9 +97,11 @@ def check_layouts(
     layers: int | None,
     steps: int = 3,
     profile: ModelProfile | None = None,
+    calibrated: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> list[Check]:
-    """Predict and run each layout (fp32 on CPU processes); one :class:`Check` each."""
+    """Predict and run each layout (fp32 on CPU processes); one :class:`Check` each
+    (``calibrated``: predict with this machine's saved constants, if any)."""
     processes = {layout.world_size for layout in layouts}
     if max(processes) > MAX_PROCESSES:
         raise ConfigError(
@@ -110,7 +112,7 @@ def check_layouts(
     checks = []
     for layout in layouts:
         layout = dataclasses.replace(layout, mixed_precision="no", offload="none")
-        cluster = cpu_cluster(layout.world_size)
+        cluster = cpu_cluster(layout.world_size, calibrated)
         buckets = int(min(5e7, max(1e6, profile.parameter_count / 20)))
         memory = predict_memory(profile, layout, cluster.device, buckets)
         limit = cluster.device.memory * 0.8

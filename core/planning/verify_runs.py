@@ -79,6 +79,7 @@ def run_layout(
                 # glibc hands large freed blocks back: resident memory follows live tensors.
                 "MALLOC_MMAP_THRESHOLD_": "131072",
                 "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
+                "CUDA_VISIBLE_DEVICES": "",  # CPU processes, also on a machine with GPUs
             }
         )
         try:
