@@ -63,7 +63,9 @@ def layouts(moe: bool) -> dict[str, Layout]:
         chosen["ep2xdp_shard4"] = Layout(dp_shard=4, ep=2, micro_batch=2)
     else:
         chosen["fsdp4_recompute"] = Layout(dp_shard=4, micro_batch=2, recompute="full")
-    return {name: dataclasses.replace(layout, mixed_precision="no") for name, layout in chosen.items()}
+    return {
+        name: dataclasses.replace(layout, mixed_precision="no") for name, layout in chosen.items()
+    }
 
 
 def main() -> None:
@@ -111,7 +113,9 @@ def _measure(cases: dict[str, tuple[ModelSource, dict[str, Layout]]], steps: int
                 f"measured {check.measured_seconds:6.3f} s"
             )
         worst = max(max(c.memory_ratio, 1 / c.memory_ratio) for c in checks[model])
-        print(f"{model} largest memory error over {len(chosen)} layouts (1 = exact): ratio {worst:.3f}x")
+        print(
+            f"{model} largest memory error over {len(chosen)} layouts (1 = exact): ratio {worst:.3f}x"
+        )
         predicted, measured, slower = fastest_agreement(checks[model])
         names = {id(c): n for n, c in zip(chosen, checks[model], strict=True)}
         print(

@@ -51,6 +51,12 @@ class Device:
     usable: float = 0.95
     #: Which engines slipstream runs on this device ("all", or the XLA lane's "ddp").
     engines: str = "all"
+    #: Freshly zeroed tensors cost nothing until written (the host's zero pages): the loss's
+    #: gradient, zeros with one entry a row, then barely counts.
+    lazy_zeros: bool = False
+    #: Bytes DeepSpeed maps per process for its collectives here (its CPU shared-memory
+    #: all-reduce: 2 x 32 MiB + 2 x 1 MiB, ops/csrc/cpu/comm/shm.cpp).
+    deepspeed_workspace: float = 0.0
 
     def flops(self, mixed_precision: str) -> float:
         return self.flops_bf16 if mixed_precision in ("bf16", "fp16") else self.flops_fp32
@@ -79,6 +85,8 @@ PRESETS = {
         foreach_optimizer=False,
         runtime_overhead=8 * 1024**2,
         usable=1.0,
+        lazy_zeros=True,
+        deepspeed_workspace=66 * 1024**2,
     ),
 }
 _ALIASES = {"TPUV5E": "TPU v5e", "V5E": "TPU v5e", "MI300X": "MI300", "CPUS": "CPU"}

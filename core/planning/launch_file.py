@@ -21,7 +21,7 @@ from ..launcher.config import config_from_dict, save_config
 from .hardware import Cluster
 
 if TYPE_CHECKING:
-    from .planner import Candidate
+    from .candidates import Candidate
 
 
 def launch_values(

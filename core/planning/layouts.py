@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
 ENGINES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 #: ``full``: every block's activations are recomputed in backward (only its inputs kept).
-RECOMPUTE = ("none", "full")
+#: ``selective``: torchtitan's op policy (every other matrix product's output and the
+#: attention's kept) -- predicted for comparison with published runs; slipstream runs full.
+RECOMPUTE = ("none", "full", "selective")
 #: ``optimizer``: optimizer states (and the update) live on the host; ``all``: parameters
 #: and gradients too (FSDP's CPU offload, ZeRO-3's offload_param).
 OFFLOAD = ("none", "optimizer", "all")
@@ -218,6 +220,11 @@ class Layout:
         Given options replace those defaults, so the blocks (``wrap_classes``) are named."""
         if self.engine != "fsdp" or (self.recompute == "none" and self.offload == "none"):
             return {}
+        if self.recompute == "selective":
+            raise ConfigError(
+                "recompute='selective' is predicted for comparison with published runs; "
+                "slipstream recomputes whole blocks: use recompute='full'"
+            )
         options: dict[str, Any] = {
             "activation_checkpointing": self.recompute == "full",
             "cpu_offload": self.offload != "none",

@@ -85,7 +85,9 @@ class _Activations:
     why: str
 
 
-def _activations(profile: ModelProfile, layout: Layout, units: set[str] | None) -> _Activations:
+def _activations(
+    profile: ModelProfile, layout: Layout, units: set[str] | None, lazy_zeros: bool
+) -> _Activations:
     chosen = [u for u in profile.units if units is None or u.name in units]
     scale = layout.micro_batch / layout.cp
     blocks = [u for u in chosen if u.role == "block"]
@@ -94,13 +96,21 @@ def _activations(profile: ModelProfile, layout: Layout, units: set[str] | None) 
         kept = sum(u.inputs for u in blocks) + sum(u.activations(layout.tp) for u in others)
         kept += max(u.activations(layout.tp) for u in blocks)  # the block recomputed
         why = "block inputs kept, one block recomputed"
+    elif layout.recompute == "selective" and blocks:
+        kept = sum(u.selective_activations(layout.tp) for u in blocks)
+        kept += sum(u.activations(layout.tp) for u in others)
+        kept += max(u.activations(layout.tp) - u.selective_activations(layout.tp) for u in blocks)
+        why = "every other product's output kept, one block's rest recomputed"
     else:
         kept = sum(u.activations(layout.tp) for u in chosen)
         why = "saved for backward, traced"
     posts = [u for u in chosen if u.role == "post"]
     largest = max((u.largest for u in (posts or chosen)), default=0.0)
     outputs = max((u.largest for u in posts), default=0.0)
-    return _Activations(kept * scale, largest * scale, outputs * scale, why)
+    # Backward of the loss: the gradient of the log-probabilities (zeros with one entry a
+    # row) and of the logits, each the size of the largest saved tensor.
+    working = 1 if lazy_zeros or not posts else 2
+    return _Activations(kept * scale, working * largest * scale, outputs * scale, why)
 
 
 def _phase(name: str, parts: Iterable[Part]) -> tuple[float, str, tuple[Part, ...]]:
@@ -158,7 +168,9 @@ def _state(layout: Layout, h: Holdings, c: int, device: Device) -> tuple[list[Pa
     return rest, grads, temporaries
 
 
-def _gathered(layout: Layout, h: Holdings, c: int, buckets: int) -> tuple[Part, Part]:
+def _gathered(
+    layout: Layout, h: Holdings, c: int, buckets: int, workspace: float
+) -> tuple[Part, Part]:
     """Weights gathered to compute (forward/backward) and gradients in flight (backward)."""
     engine = layout.engine
     if engine == "fsdp" and layout.data_parallel * layout.cp > 1:
@@ -179,13 +191,13 @@ def _gathered(layout: Layout, h: Holdings, c: int, buckets: int) -> tuple[Part, 
             Part("gradients in flight", c * h.post, "the head's unsharded gradient"),
         )  # fmt: skip
     if engine == "zero3":
-        # Live and prefetched parameters, reduce and all-gather buckets and their flat
-        # copies, all sized by the buckets the planner's DeepSpeed config sets: 12 of them
-        # measured on CPU processes (benchmarks/plan_accuracy.py).
+        # Live and prefetched parameters, and the reduce and all-gather buckets, each the
+        # bucket size the planner's DeepSpeed config sets.
         return (
-            Part("gathered weights", 4 * c * buckets, f"live + prefetched, 4 x {_millions(buckets)}"),
-            Part("communication buffers", 8 * c * buckets,
-                 f"DeepSpeed buckets and flat copies, 8 x {_millions(buckets)}"),
+            Part("gathered weights", 2 * c * buckets, f"live + prefetched, 2 x {_millions(buckets)}"),
+            Part("communication buffers", 2 * c * buckets + workspace,
+                 f"reduce and all-gather buckets, 2 x {_millions(buckets)}"
+                 + (f", DeepSpeed's workspace {workspace / _MiB:.0f} MiB" if workspace else "")),
         )  # fmt: skip
     if engine.startswith("zero"):
         return (
@@ -206,9 +218,9 @@ def _rank(
     c = 2 if layout.mixed_precision in ("bf16", "fp16") else 4
     h = holdings(profile, layout, rank)
     units = stage_units(profile, layout, rank)
-    act = _activations(profile, layout, units)
+    act = _activations(profile, layout, units, device.lazy_zeros)
     rest, grads, temporaries = _state(layout, h, c, device)
-    gathered, in_flight = _gathered(layout, h, c, buckets)
+    gathered, in_flight = _gathered(layout, h, c, buckets, device.deepspeed_workspace)
     runtime = Part("runtime", device.runtime_overhead, f"{device.name} process overhead")
     holds_last = units is None or any(u.role == "post" and u.name in units for u in profile.units)
     chunks = layout.pp_stages_per_rank

@@ -53,9 +53,16 @@ class UnitProfile:
     largest: float
     flops: float
     flops_split: float
+    #: What selective recomputation keeps (see :mod:`.tracing`), per sample.
+    selective: float = 0.0
 
     def activations(self, tp: int) -> float:
         return self.saved - self.saved_split + self.saved_split / tp
+
+    def selective_activations(self, tp: int) -> float:
+        """What selective recomputation keeps, split by tp in the proportion ``saved`` is."""
+        share = self.saved_split / self.saved if self.saved else 0.0
+        return self.inputs + self.selective * (1 - share + share / tp)
 
     def forward_flops(self, tp: int) -> float:
         return self.flops - self.flops_split + self.flops_split / tp
@@ -221,9 +228,71 @@ def _trace(source: ModelSource, tp_local: int, seq_len: int, dtype: Any) -> dict
     return trace_units(model, inputs, names, experts)
 
 
+#: Config keys that make decoder layers differ from each other (dense and sparse layers,
+#: attention kinds): such models are read at their full depth.
+_PER_LAYER_KEYS = ("layer_types", "mlp_only_layers", "first_k_dense_replace", "moe_layer_freq",
+                   "interleave_moe_layer_step", "no_rope_layers", "sliding_window_pattern")  # fmt: skip
+_SHALLOW = 3
+
+
 def profile_model(source: ModelSource, seq_len: int, compute_bytes: int) -> ModelProfile:
     """Read ``source`` on the meta device and trace one sample of ``seq_len`` tokens in the
-    compute dtype (2 bytes: bf16; 4: fp32)."""
+    compute dtype (2 bytes: bf16; 4: fp32).
+
+    A deep transformers model whose layers are all alike is read with three layers and the
+    last one repeated (minutes of meta-device work become seconds); if the two last of the
+    three differ, the whole depth is read."""
+    layers = source.layers
+    uniform = source.kind == "config" and not any(
+        source.config.get(key) not in (None, [], 0, 1) for key in _PER_LAYER_KEYS
+    )
+    if uniform and layers is not None and layers > _SHALLOW + 1:
+        shallow = _profile(source.scaled(_SHALLOW), seq_len, compute_bytes)
+        deep = _deepen(shallow, source, layers)
+        if deep is not None:
+            return deep
+    return _profile(source, seq_len, compute_bytes)
+
+
+def _deepen(shallow: ModelProfile, source: ModelSource, layers: int) -> ModelProfile | None:
+    """``shallow`` with its last block repeated up to ``layers`` blocks (None: its blocks
+    differ, so repeating one would mislead)."""
+    import dataclasses
+
+    from ..parallel.pipeline.layout import Unit
+
+    blocks = [u for u in shallow.units if u.role == "block"]
+    if shallow.pipeline is None or len(blocks) != _SHALLOW:
+        return None
+    template, before = blocks[-1], blocks[-2]
+    if dataclasses.replace(before, name=template.name) != template:
+        return None
+    stem = template.name.rpartition(".")[0]
+    names = [f"{stem}.{i}" for i in range(layers)]
+    by_unit: dict[str, list[ParameterInfo]] = {}
+    for p in shallow.parameters:
+        by_unit.setdefault(p.unit, []).append(p)
+    parameters: list[ParameterInfo] = list(by_unit.get("", []))
+    units: list[UnitProfile] = []
+    pipeline_units: list[Unit] = []
+    for unit, profile in zip(shallow.pipeline.units, shallow.units, strict=True):
+        copies = names[_SHALLOW - 1 :] if unit.name == template.name else [unit.name]
+        for copy, name in enumerate(copies):
+            parameters += [
+                dataclasses.replace(p, unit=name, block=name if p.block else "",
+                                    expert=p.expert + copy if p.expert >= 0 else -1)
+                for p in by_unit.get(unit.name, [])
+            ]  # fmt: skip
+            units.append(dataclasses.replace(profile, name=name))
+            pipeline_units.append(Unit(name, unit.parameters, unit.role))
+    pipeline = dataclasses.replace(shallow.pipeline, units=tuple(pipeline_units))
+    return ModelProfile(
+        source, shallow.model, tuple(parameters), tuple(units), pipeline,
+        shallow.seq_len, shallow.compute_bytes, shallow.traced,
+    )  # fmt: skip
+
+
+def _profile(source: ModelSource, seq_len: int, compute_bytes: int) -> ModelProfile:
     import torch
 
     dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
@@ -261,6 +330,7 @@ def profile_model(source: ModelSource, seq_len: int, compute_bytes: int) -> Mode
                 float(one.largest),
                 one.flops,
                 flops_split,
+                float(one.selective),
             )
         )
     return ModelProfile(

@@ -1,4 +1,4 @@
-"""The plan as people read it: a header naming the model, the cluster and the batch, a ranked
+"""The plan (:class:`Plan`, what :func:`slipstream.plan` returns) as people read it: a header naming the model, the cluster and the batch, a ranked
 table (one row per layout) and under each row where its memory and time figures come from.
 
 Example::
@@ -9,13 +9,56 @@ Example::
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
 
-if TYPE_CHECKING:
-    from .planner import Candidate, Plan
+from .candidates import Candidate
+from .hardware import Cluster
+from .profile import ModelProfile
 
 _MiB = 1024**2
 _GiB = 1024**3
+
+
+@dataclass
+class Plan(Sequence[Candidate]):
+    """The candidates that fit, fastest first (a sequence), and what the plan considered."""
+
+    model: str
+    profile: ModelProfile
+    cluster: Cluster
+    global_batch: int
+    seq_len: int
+    candidates: list[Candidate]
+    considered: int
+    #: When nothing fits: what would (one line each).
+    suggestions: list[str]
+    #: Notes on the figures (calibration used, assumptions).
+    notes: list[str]
+    #: The smallest candidates that do not fit (when none fits), for the table.
+    closest: list[Candidate]
+
+    @overload
+    def __getitem__(self, index: int) -> Candidate: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Candidate]: ...
+    def __getitem__(self, index: int | slice) -> Candidate | Sequence[Candidate]:
+        return self.candidates[index]
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def __iter__(self) -> Iterator[Candidate]:
+        return iter(self.candidates)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+    def table(self, top: int = 10) -> str:
+        """The plan as text (see :func:`format_plan`)."""
+        return format_plan(self, top)
 
 
 def format_size(size: float) -> str:

@@ -19,7 +19,7 @@ from .hardware import Cluster
 from .profile import ModelProfile
 
 if TYPE_CHECKING:
-    from .planner import Candidate
+    from .candidates import Candidate
 
 _GiB = 1024**3
 
@@ -82,7 +82,7 @@ def what_would_fit(
 def _fastest_fitting(
     profile: ModelProfile, cluster: Cluster, batch: int, precision: str, buckets: int
 ) -> Candidate | None:
-    from .planner import enumerate_layouts, evaluate
+    from .candidates import enumerate_layouts, evaluate
 
     fits = [
         candidate

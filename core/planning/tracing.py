@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass
@@ -42,6 +43,10 @@ class UnitTrace:
     inputs: int = 0
     largest: int = 0
     flops: float = 0.0
+    #: What selective recomputation keeps (torchtitan's op policy): the outputs of every
+    #: other matrix product of the unit and of its attention.
+    selective: int = 0
+    products: int = 0
 
 
 class _Recorder:
@@ -51,6 +56,15 @@ class _Recorder:
         self.excluded = excluded
         self.seen: set[int] = set()
         self.keep: list[torch.Tensor] = []  # keeps storages alive, so their ids stay unique
+        self.kept: set[int] = set()
+
+    def keep_output(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor`` as kept by selective recomputation (once per storage)."""
+        storage = tensor.untyped_storage()
+        if storage._cdata not in self.kept:
+            self.kept.add(storage._cdata)
+            self.keep.append(tensor)
+            self.traces[self.current].selective += storage.nbytes()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -95,7 +109,11 @@ def _attention_stand_in(recorder: _Recorder) -> Iterator[None]:
         flops = 4.0 * float(torch.Size(batch).numel()) * queries * keys * head
         causal = is_causal or attn_mask is not None
         recorder.traces[recorder.current].flops += flops / 2 if causal else flops
-        return _FlashAttention.apply(query, key, value)
+        out = _FlashAttention.apply(query, key, value)
+        recorder.keep_output(out)
+        lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        recorder.traces[recorder.current].selective += lse.untyped_storage().nbytes()
+        return out
 
     F.scaled_dot_product_attention = attention
     try:
@@ -132,6 +150,27 @@ def _balanced_experts(module: nn.Module) -> Any:
     return forward
 
 
+_PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+
+
+class _ProductMode(TorchDispatchMode):
+    """Marks every other matrix product's output of a unit as kept (torchtitan's selective
+    recomputation policy: save the products' outputs but recompute every second one)."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in _PRODUCTS and isinstance(out, torch.Tensor):
+            trace = self.recorder.traces[self.recorder.current]
+            trace.products += 1
+            if trace.products % 2 == 1:
+                self.recorder.keep_output(out)
+        return out
+
+
 def trace_units(
     model: nn.Module,
     inputs: Mapping[str, Any],
@@ -164,6 +203,7 @@ def trace_units(
         with (
             _attention_stand_in(recorder),
             counter,
+            _ProductMode(recorder),
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor),
         ):
             output = model(**inputs)

@@ -12,11 +12,12 @@ from slipstream.cli import main
 from slipstream.launcher.config import load_config
 from slipstream.parallel import ParallelismConfig
 from slipstream.planning.calibration import calibration_file, load_calibration
+from slipstream.planning.candidates import evaluate
 from slipstream.planning.hardware import preset
 from slipstream.planning.launch_file import write_launch_config
 from slipstream.planning.layouts import Layout
 from slipstream.planning.model_source import resolve_model
-from slipstream.planning.planner import build_cluster, evaluate
+from slipstream.planning.planner import build_cluster
 from slipstream.planning.profile import profile_model
 from slipstream.strategies.deepspeed_plugin import DeepSpeedPlugin
 from slipstream.strategies.fsdp_plugin import FullyShardedDataParallelPlugin
@@ -88,8 +89,20 @@ def test_written_configs_load_as_the_layout(tiny, tmp_path, layout):
         (["{tiny}", *CPU4, "--device", "H900"], "unknown --device 'H900'"),
         (["{tiny}", *CPU4, "--device_memory", "lots"], "--device_memory 'lots' is not a size"),
         (["{tiny}", *CPU4, "--nodes", "0"], "--nodes must be at least 1"),
-        (["{tiny}", "--devices_per_node", "8", "--device", "CPU", "--global_batch", "1",
-          "--seq_len", "16"], "no layout of 8 devices splits a global batch of 1"),  # fmt: skip
+        (
+            [
+                "{tiny}",
+                "--devices_per_node",
+                "8",
+                "--device",
+                "CPU",
+                "--global_batch",
+                "1",
+                "--seq_len",
+                "16",
+            ],
+            "no layout of 8 devices splits a global batch of 1",
+        ),
     ],
 )
 def test_bad_inputs_are_one_line_errors(tiny, capsys, argv, message):

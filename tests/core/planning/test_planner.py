@@ -50,8 +50,9 @@ def test_nothing_fits_says_what_would(tiny):
     result = plan(tiny, devices_per_node=4, device="CPU", device_memory="96KB",
                   global_batch=8, seq_len=16)  # fmt: skip
     assert result.best is None and result.closest
-    assert result.suggestions[0].startswith("no layout fits 96.0 KiB") or "no layout fits" in (
-        result.suggestions[0]
+    assert (
+        result.suggestions[0].startswith("no layout fits 96.0 KiB")
+        or "no layout fits" in (result.suggestions[0])
     )
     assert any(s.startswith(("more devices", "offload fits", "even")) for s in result.suggestions)
     assert "closest (does not fit)" in result.table()
