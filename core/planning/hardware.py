@@ -175,7 +175,24 @@ class Cluster:
     def describe(self) -> str:
         d = self.device
         return (
-            f"{self.nodes} node(s) x {self.devices_per_node} {d.name} ({d.memory / _GiB:.0f} GiB, "
-            f"{d.flops_bf16 / 1e12:.0f} TFLOP/s bf16, {d.intra_bw / 1e9:.0f} GB/s in a node, "
-            f"{d.inter_bw / 1e9:.0f} GB/s between nodes)"
+            f"{self.nodes} node(s) x {self.devices_per_node} {d.name} ({d.memory / _GiB:,.1f} "
+            f"GiB, {_rate(d.flops_bf16)}/{_rate(d.flops_fp32)} bf16/fp32 at "
+            f"{d.efficiency:.0%}, {d.intra_bw / 1e9:,.1f} GB/s in a node, "
+            f"{d.inter_bw / 1e9:,.1f} GB/s between nodes)"
         )
+
+
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:,.0f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
+
+
+def machine_memory() -> float:
+    """Bytes of memory this machine has (``/proc/meminfo``; 64 GiB where it cannot tell)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024.0
+    except OSError:
+        pass
+    return 64.0 * _GiB

@@ -24,7 +24,15 @@ from typing import Any
 from ..options.errors import ConfigError
 from .calibration import load_calibration
 from .candidates import Candidate, bucket_elements, enumerate_layouts, evaluate, rank
-from .hardware import Cluster, Device, parse_flops, parse_rate, parse_size, preset
+from .hardware import (
+    Cluster,
+    Device,
+    machine_memory,
+    parse_flops,
+    parse_rate,
+    parse_size,
+    preset,
+)
 from .model_source import ModelSource, resolve_model
 from .profile import ModelProfile, profile_model
 from .report import Plan
@@ -43,6 +51,8 @@ def build_cluster(
     if calibrated:
         chosen = load_calibration(chosen, nodes * devices_per_node)
     changes: dict[str, Any] = {}
+    if chosen.name == "CPU":  # processes of this machine share its memory
+        changes["memory"] = machine_memory() / devices_per_node
     if device_memory is not None:
         changes["memory"] = parse_size(str(device_memory))
     if intra_bw is not None:

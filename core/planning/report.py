@@ -62,8 +62,10 @@ class Plan(Sequence[Candidate]):
 
 
 def format_size(size: float) -> str:
-    """``size`` bytes in MiB or GiB (binary units)."""
-    return f"{size / _GiB:,.1f} GiB" if size >= _GiB else f"{size / _MiB:,.0f} MiB"
+    """``size`` bytes in KiB, MiB or GiB (binary units)."""
+    if size >= _GiB:
+        return f"{size / _GiB:,.1f} GiB"
+    return f"{size / _MiB:,.0f} MiB" if size >= _MiB else f"{size / 1024:,.1f} KiB"
 
 
 def format_seconds(seconds: float) -> str:

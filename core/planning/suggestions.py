@@ -21,11 +21,11 @@ from .profile import ModelProfile
 if TYPE_CHECKING:
     from .candidates import Candidate
 
-_GiB = 1024**3
-
 
 def _gib(size: float) -> str:
-    return f"{size / _GiB:,.1f} GiB"
+    from .report import format_size
+
+    return format_size(size)
 
 
 def what_would_fit(

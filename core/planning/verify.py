@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..options.errors import ConfigError
 from .calibration import Constants, fit, save_calibration
-from .hardware import Cluster, preset
+from .hardware import Cluster, machine_memory
 from .layouts import Layout
 from .memory import predict_memory
 from .model_source import ModelSource
@@ -63,20 +63,9 @@ def cpu_cluster(processes: int, calibrated: bool = True) -> Cluster:
     """``processes`` CPU processes of this machine (its calibration, if saved)."""
     from .planner import build_cluster
 
-    memory = _machine_memory() / processes
+    memory = machine_memory() / processes
     cluster = build_cluster(1, processes, "CPU", calibrated=calibrated)
     return cluster.with_device(memory=memory)
-
-
-def _machine_memory() -> float:
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024.0
-    except OSError:
-        pass
-    return preset("CPU").memory * 4
 
 
 def scaled_layers(source: ModelSource, layouts: Sequence[Layout], wanted: int | None) -> int | None:
