@@ -59,7 +59,8 @@ class Candidate:
 def bucket_elements(profile: ModelProfile) -> int:
     """DeepSpeed bucket elements the planner's configs set: a twentieth of the model, within
     DeepSpeed's usual range."""
-    return int(min(5e7, max(1e6, profile.parameter_count / 20)))
+    elements = int(min(5e7, max(1e6, profile.parameter_count / 20)))
+    return elements - elements % 1024  # DeepSpeed aligns its buckets
 
 
 def _batches(layout: Layout, per_rank: int, pipeline_schedules: Sequence[str],

@@ -133,19 +133,22 @@ def _state(layout: Layout, h: Holdings, c: int, device: Device) -> tuple[list[Pa
         grads = Part("gradients", 0 if offload else 4 * t, f"4 B x {_millions(t)} (sharded)")
         largest = h.largest_sharded_parameter
     elif engine.startswith("zero"):
+        # DeepSpeed reduces gradients in buckets during backward at every stage and keeps
+        # only its partition (4 B; measured: ZeRO-1 holds about what ZeRO-2 does, not the
+        # whole gradients the ZeRO paper's stage 1 keeps); in fp32 no separate master copy
+        # below stage 3.
         stage, n, t = layout.zero_stage, h.sharded, h.sharded_trainable
-        params = c * (n if stage == 3 else h.total)
+        held = n if stage == 3 else h.total
         master = 0 if c == 4 and stage < 3 else 4 * t
+        grad_bytes = c if stage == 3 else 4
         rest = [
-            Part("parameters", params, f"{c} B x {_millions(n if stage == 3 else h.total)}"),
+            Part("parameters", c * held, f"{c} B x {_millions(held)}"),
             Part("optimizer states", 0 if offload else 8 * t + master,
-                 f"AdamW 8 B + fp32 master 4 B x {_millions(t)} (1/{layout.world_size})"),
+                 f"AdamW 8 B{' + fp32 master 4 B' if master else ''} x {_millions(t)} "
+                 f"(1/{layout.world_size})"),
+            Part("gradients", grad_bytes * t, f"{grad_bytes} B x {_millions(t)}, the partition"),
         ]  # fmt: skip
-        grad_elements = t if stage >= 2 else h.trainable
-        grads = Part("gradients", c * grad_elements, f"{c} B x {_millions(grad_elements)}")
-        if stage == 3:  # the partition's gradient buffer lives from the start
-            rest.append(grads)
-            grads = Part("gradients", 0, "")
+        grads = Part("gradients", 0, "")
         largest = t
     else:
         n, t = h.total, h.trainable
@@ -202,10 +205,10 @@ def _gathered(
     if engine.startswith("zero"):
         return (
             Part("gathered weights", 0, ""),
-            Part(
-                "communication buffers", 2 * c * buckets, f"reduce buckets 2 x {_millions(buckets)}"
-            ),
-        )
+            Part("communication buffers", 2 * c * buckets + workspace,
+                 f"reduce and all-gather buckets, 2 x {_millions(buckets)}"
+                 + (f", DeepSpeed's workspace {workspace / _MiB:.0f} MiB" if workspace else "")),
+        )  # fmt: skip
     if c < 4:
         return (Part("gathered weights", c * h.total, "autocast's copies of the weights"),
                 Part("gradients in flight", 0, ""))  # fmt: skip

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..options.errors import ConfigError
 from .calibration import Constants, fit, save_calibration
+from .candidates import bucket_elements
 from .hardware import Cluster, machine_memory
 from .layouts import Layout
 from .memory import predict_memory
@@ -102,7 +103,7 @@ def check_layouts(
     for layout in layouts:
         layout = dataclasses.replace(layout, mixed_precision="no", offload="none")
         cluster = cpu_cluster(layout.world_size, calibrated)
-        buckets = int(min(5e7, max(1e6, profile.parameter_count / 20)))
+        buckets = bucket_elements(profile)
         memory = predict_memory(profile, layout, cluster.device, buckets)
         limit = cluster.device.memory * 0.8
         if memory.peak > limit:

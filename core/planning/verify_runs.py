@@ -107,9 +107,14 @@ def run_layout(
 
 def _worker_error(stderr: str) -> str:
     """The exception a worker raised (its last line), not torchrun's summary around it."""
-    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in stderr.splitlines()]
-    errors = [line for line in lines if _is_exception_line(line)]
-    return errors[-1] if errors else " / ".join(lines[-3:])
+    raw = stderr.splitlines()
+    workers = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in raw
+               if re.match(r"^\[rank\d+\]:", line)]  # fmt: skip
+    for lines in (workers, [line.strip() for line in raw]):
+        errors = [line for line in lines if _is_exception_line(line)]
+        if errors:
+            return errors[-1]
+    return " / ".join(line.strip() for line in raw[-3:])
 
 
 def _is_exception_line(line: str) -> bool:
