@@ -19,7 +19,7 @@ pp2 x tp2, ZeRO-3 4, and FSDP 4 with full recomputation (Llama) or dp_shard4 wit
 over ep2 (MoE). Run:
 
     python benchmarks/plan_accuracy.py           # 16 layouts, ~15 minutes on 2 cores
-    python benchmarks/plan_accuracy.py --quick   # predictions, and one 2-process check
+    python benchmarks/plan_accuracy.py --quick   # one process, in-process (smoke test)
 """
 
 from __future__ import annotations
@@ -74,15 +74,46 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     if args.quick:
-        source = ModelSource("tiny-llama", "config", QUICK)
-        quick = {"ddp2": Layout(dp_replicate=2, engine="ddp", micro_batch=2, mixed_precision="no")}
-        _measure({"quick": (source, quick)}, steps=2)
+        _quick()
         return
     cases = {
         "llama": (ModelSource("tiny-llama", "config", LLAMA), layouts(moe=False)),
         "moe": (ModelSource("tiny-qwen3-moe", "config", MOE), layouts(moe=True)),
     }
     _measure(cases, steps=args.steps)
+
+
+def _quick() -> None:
+    """One process, in this process (no launcher): the smoke test's few seconds."""
+    import contextlib
+    import ctypes
+    import os
+    import socket
+
+    from slipstream.planning.candidates import evaluate
+    from slipstream.planning.profile import profile_model
+    from slipstream.planning.verify_worker import run
+
+    # As MALLOC_MMAP_THRESHOLD_ does for the checked processes: freed blocks leave.
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 131072)  # M_MMAP_THRESHOLD
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # fmt: skip
+    source = ModelSource("tiny-llama", "config", QUICK)
+    layout = Layout(dp_shard=1, micro_batch=2, mixed_precision="no")
+    profile = profile_model(source, SEQUENCE, compute_bytes=4)
+    predicted = evaluate(profile, layout, cpu_cluster(1, calibrated=False)).memory.peak / 2**20
+    spec = {"model": source.as_dict(), "layout": layout.as_dict(), "layers": source.layers,
+            "seq_len": SEQUENCE, "steps": 2}  # fmt: skip
+    [report] = run(spec) or []
+    print(
+        f"quick  1 process  memory predicted {predicted:.1f} MiB measured "
+        f"{report['peak_mib']:.1f} MiB ratio {predicted / report['peak_mib']:.3f}x; step "
+        f"measured {report['step_seconds']:.3f} s"
+    )
 
 
 def _measure(cases: dict[str, tuple[ModelSource, dict[str, Layout]]], steps: int) -> None:

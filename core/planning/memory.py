@@ -17,12 +17,16 @@ What each engine keeps (fp32 parameters and AdamW states; compute in ``c`` bytes
   block computing and the one prefetched. When it does not reshard between micro-batches
   (gradient accumulation, pipelines) the whole stage stays gathered and its unsharded
   gradients accumulate.
-- DeepSpeed ZeRO-3: a partition of parameters (``c`` B), fp32 master (4 B), states (8 B)
-  and gradients (``c`` B); live gathered parameters and reduce buckets. ZeRO-1/2 keep whole
-  parameters and shard states (and, at stage 2, gradients).
+- DeepSpeed: ZeRO-3 keeps a partition of parameters (``c`` B), fp32 master (4 B), states
+  (8 B) and gradients (``c`` B); ZeRO-1/2 keep whole parameters, shard the states and keep
+  the gradient partition (4 B; DeepSpeed reduces gradients in buckets during backward at
+  both stages); live parameters and buckets, and on CPU its shared-memory workspace.
 
 Activations come from the model's trace (:mod:`slipstream.planning.tracing`), per sample,
-scaled by the micro-batch, divided by cp, and for the tensor-parallel part by tp.
+scaled by the micro-batch, divided by cp, and for the tensor-parallel part by tp. The loss's
+backward adds two tensors the size of the largest saved one (the log-probabilities' and the
+logits' gradients); on the host the first, zeros with one entry a row, costs nothing until
+written, so one is counted there.
 
 Example::
 
