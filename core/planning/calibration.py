@@ -1,6 +1,6 @@
 """The constants of the time model measured on this machine: ``--verify`` fits them to the
 step times it measured and saves them in the user's cache
-(``~/.cache/slipstream/plan_calibration.json``); later plans for the same device read them.
+(``~/.cache/slipstream/plan_calibration.json``, beside the saved configuration); later plans for the same device read them.
 
 The step time of a layout is modelled as ``a F + b V + k C + o M`` (F: FLOPs over the
 pipeline's busy fraction, V: collective bytes over the preset's bandwidth, C: collective
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime.env import cache_dir
+from ..runtime.env import default_config_file
 from .hardware import Device
 
 FILE_NAME = "plan_calibration.json"
@@ -96,7 +96,9 @@ def fit(features: Sequence[Sequence[float]], seconds: Sequence[float]) -> Consta
 
 
 def calibration_file() -> str:
-    return str(cache_dir() / FILE_NAME)
+    """Beside slipstream's saved configuration: ``~/.cache/slipstream`` (``$XDG_CACHE_HOME``),
+    or the folder ``$SLIPSTREAM_CONFIG_FILE`` names."""
+    return str(default_config_file().parent / FILE_NAME)
 
 
 def _read() -> dict[str, Any]:

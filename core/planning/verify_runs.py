@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..options.errors import ConfigError
-from ..runtime.env import child_environment, torch_extensions_dir
+from ..runtime.env import child_environment, default_config_file
 from .layouts import Layout
 from .model_source import ModelSource
 from .verify_worker import PREFIX
@@ -78,10 +78,13 @@ def run_layout(
                 "OMP_NUM_THREADS": "1",
                 # glibc hands large freed blocks back: resident memory follows live tensors.
                 "MALLOC_MMAP_THRESHOLD_": "131072",
-                "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
                 "CUDA_VISIBLE_DEVICES": "",  # CPU processes, also on a machine with GPUs
             }
         )
+        # DeepSpeed's CPU op is compiled once into slipstream's cache (unless the user's
+        # TORCH_EXTENSIONS_DIR says where), as the test suite keeps it.
+        extensions = default_config_file().parent / "torch_extensions"
+        environment.setdefault("TORCH_EXTENSIONS_DIR", str(extensions))
         try:
             done = subprocess.run(
                 command, capture_output=True, text=True, env=environment, timeout=timeout

@@ -204,20 +204,6 @@ def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
     return Path(cache) / "slipstream" / "default_config.yaml"
 
 
-def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """slipstream's folder in the user's cache: ``$XDG_CACHE_HOME/slipstream`` or
-    ``~/.cache/slipstream`` (saved configuration, plan calibrations)."""
-    env = os.environ if environ is None else environ
-    cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "slipstream"
-
-
-def torch_extensions_dir() -> str:
-    """Where torch keeps JIT-compiled extensions (DeepSpeed's CPU ops): the user's
-    ``TORCH_EXTENSIONS_DIR``, else a folder in slipstream's cache, kept between runs."""
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_dir() / "torch_extensions")
-
-
 def error_file() -> str | None:
     """The file torchrun asked this worker to write its exception into, if any."""
     return os.environ.get(ERROR_FILE_VARIABLE) or None
