@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,10 +33,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     when the chosen tests use DeepSpeed and the build is not cached: the first DeepSpeed test
     would otherwise spend its timeout compiling."""
     global _deepspeed_build
-    built = (
-        Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
-    )
-    if built.exists() or importlib.util.find_spec("deepspeed") is None:
+    folder = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm"
+    _remove_stale_build_lock(folder / "lock")
+    if (folder / "deepspeed_shm_comm.so").exists() or importlib.util.find_spec("deepspeed") is None:
         return
     files = {item.path for item in session.items}
     if not any("deepspeed" in path.read_text(errors="ignore").lower() for path in files):
@@ -45,6 +46,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         stderr=subprocess.DEVNULL,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
+
+
+#: A build takes about a minute and a half of CPU; a lock older than this was left by a
+#: build that was killed, and torch would wait for it forever (every DeepSpeed test timing out).
+STALE_BUILD_LOCK_SECONDS = 15 * 60
+
+
+def _remove_stale_build_lock(lock: Path) -> None:
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_SECONDS:
+            lock.unlink()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
