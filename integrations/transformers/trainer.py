@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from .accelerator import TrainerConfigurationError, build_accelerator
+from .deepspeed import check_arguments as check_deepspeed_arguments
 from .routing import route_trainer_functions
 
 T = TypeVar("T", bound=type)
@@ -60,6 +61,7 @@ class SlipstreamTrainerMixin:
         :mod:`slipstream.integrations.transformers.accelerator`), then set what the
         Trainer reads of it, as the Trainer does after building Accelerate's."""
         self.accelerator = build_accelerator(self, self.accelerator_options)
+        self._check_process_count()
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:
             gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
@@ -72,7 +74,21 @@ class SlipstreamTrainerMixin:
             state.fsdp_plugin = strategy.plugin
         self.is_deepspeed_enabled = state.deepspeed_plugin is not None
         self.is_fsdp_enabled = state.fsdp_plugin is not None
+        if self.is_deepspeed_enabled:
+            check_deepspeed_arguments(self, state.deepspeed_plugin)
         self._check_arguments(state.fsdp_plugin)
+
+    def _check_process_count(self) -> None:
+        # The Trainer counts processes with Accelerate's state (TrainingArguments.world_size:
+        # token counts, batch sizes, DeepSpeed's train_batch_size). On a machine without GPUs
+        # that state forms no process group unless use_cpu=True, and counts 1.
+        counted, running = self.args.world_size, self.accelerator.state.num_processes
+        if counted != running:
+            raise TrainerConfigurationError(
+                f"TrainingArguments count {counted} process(es) and this job runs {running}: "
+                "transformers' process state (Accelerate's) found no GPUs to form a process "
+                "group with. On CPU processes set TrainingArguments(use_cpu=True)"
+            )
 
     def _check_arguments(self, fsdp_plugin: Any) -> None:
         args = self.args

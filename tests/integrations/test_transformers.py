@@ -106,6 +106,10 @@ def train(
         "model": type(trainer.model_wrapped).__name__,
         "dtensors": any(hasattr(p, "device_mesh") for p in trainer.model_wrapped.parameters()),
         "files": sorted(os.listdir(resume)) if resume else [],
+        # The DeepSpeed engine's configuration, every "auto" filled in (DeepSpeed runs).
+        "engine_config": getattr(trainer.model_wrapped, "config", None)
+        if type(trainer.model_wrapped).__name__ == "DeepSpeedEngine"
+        else None,
     }
 
 
