@@ -172,8 +172,8 @@ class DeepSpeedPlugin:
         micro = micro_batch_size or 1
         _fill(config, "train_micro_batch_size_per_gpu", micro)
         _fill(config, "gradient_accumulation_steps", steps)
-        _fill(config, "train_batch_size", micro * steps * world_size)
         expected = config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+        _fill(config, "train_batch_size", expected * world_size)
         if config["train_batch_size"] != expected * world_size:
             raise DeepSpeedConfigError(
                 f"train_batch_size ({config['train_batch_size']}) must equal "

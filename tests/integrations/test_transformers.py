@@ -187,13 +187,16 @@ def _one_process(out: str) -> dict[str, Any]:
         "finite": all(bool(w.isfinite().all()) for w in weights),
         "steps": len(guarded["loss"]),
     }
-    # What is refused, with the reason (last: DeepSpeed's arguments set up DeepSpeed).
+    # What is refused, with the reason.
+    from slipstream import DeepSpeedPlugin
     from slipstream.integrations.transformers import TrainerConfigurationError
 
     refused = []
+    zero2 = {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}
     for options, arguments in (
         ({"gradient_accumulation_steps": 2}, {}),
-        (None, {"deepspeed": {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}}),
+        ({"deepspeed_plugin": DeepSpeedPlugin()}, {"deepspeed": zero2}),
+        (None, {"deepspeed": {**zero2, "tensor_parallel": {"autotp_size": 2}}}),
     ):
         try:
             train("slipstream", f"{out}/refused", options=options, samples=8, **arguments)
@@ -209,9 +212,10 @@ def test_evaluation_on_one_process_matches_accelerate(tmp_path: Path) -> None:
     assert_close(result["slipstream"]["eval_loss"], result["accelerate"]["eval_loss"])
     assert_close(result["slipstream"]["loss"], result["accelerate"]["loss"])
     assert result["guard"] == {"skipped": 1, "finite": True, "steps": 4}
-    clash, deepspeed = result["refused"]
+    clash, deepspeed, autotp = result["refused"]
     assert "accelerator_options cannot set ['gradient_accumulation_steps']" in clash
-    assert "TrainingArguments(deepspeed=...) is not supported" in deepspeed
+    assert "accelerator_options cannot set ['deepspeed_plugin']" in deepspeed
+    assert "tensor_parallel.autotp_size=2 (DeepSpeed's AutoTP)" in autotp
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------
