@@ -67,9 +67,10 @@ def _reseed() -> None:
 
 def _run_child(task: bytes, env: dict[str, str], cwd: str, output: str, result_fd: int) -> None:
     """The forked child: run the test's body, write (ok, payload) to ``result_fd``."""
-    with open(output, "ab", buffering=0) as stream:
-        os.dup2(stream.fileno(), 1)
-        os.dup2(stream.fileno(), 2)
+    # stdout and stderr apart, as a freshly started rank's would be (tests read either).
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        with open(output + suffix, "ab", buffering=0) as stream:
+            os.dup2(stream.fileno(), fd)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
@@ -227,11 +228,8 @@ class WarmPool:
         per-rank results or raises :class:`WorkerFailed` with the first failure."""
         self.calls += 1
         task = pickle.dumps((fn, args, kwargs))
-        outputs = [
-            self._folder / f"call{self.calls}-rank{rank}.log" for rank in range(self.world_size)
-        ]
+        outputs = [self._folder / f"call{self.calls}-rank{rank}" for rank in range(self.world_size)]
         for rank, connection in enumerate(self._connections):
-            outputs[rank].write_bytes(b"")
             connection.send(("run", task, env[rank], os.getcwd(), str(outputs[rank])))
         children: dict[int, int] = {}
         collected: dict[int, Any] = {}
@@ -297,13 +295,17 @@ class WarmPool:
 
     @staticmethod
     def _relay(outputs: list[Path]) -> None:
-        """Show what the children printed in this test's output (pytest captures it)."""
-        for rank, path in enumerate(outputs):
-            with contextlib.suppress(OSError):
-                text = path.read_text(errors="replace")
-                path.unlink()
-                if text:
-                    sys.stderr.write(f"--- rank {rank} ---\n{text}")
+        """Pass on what the children printed, stdout to stdout and stderr to stderr, rank by
+        rank (pytest captures both, as it would a freshly started rank's)."""
+        for path in outputs:
+            for suffix, stream in ((".out", sys.stdout), (".err", sys.stderr)):
+                printed = Path(f"{path}{suffix}")
+                with contextlib.suppress(OSError):
+                    text = printed.read_text(errors="replace")
+                    printed.unlink()
+                    if text:
+                        stream.write(text)
+                        stream.flush()
 
     def close(self) -> None:
         for connection in self._connections:

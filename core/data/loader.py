@@ -32,7 +32,7 @@ from ..runtime.state import ProcessState, current_state
 from ..runtime.tree import send_to_device
 from ..runtime.xla import place_batch
 from .active_loaders import ActiveLoaders
-from .iterable import IterableDatasetShard
+from .iterable import ShardedIterable
 from .samplers import SeedableRandomSampler, ShardedBatchSampler
 from .streaming import SelfShardedStream
 
@@ -56,7 +56,7 @@ class PreparedDataLoader(DataLoader[Any]):
         *,
         state: ProcessState | None = None,
         device: torch.device | None = None,
-        shard: ShardedBatchSampler | IterableDatasetShard | None = None,
+        shard: ShardedBatchSampler | ShardedIterable | None = None,
         active_loaders: ActiveLoaders | None = None,
         non_blocking: bool = False,
         dispatch: Dispatch | None = None,
@@ -124,7 +124,7 @@ class PreparedDataLoader(DataLoader[Any]):
 
     def _epoch_aware(self) -> list[Any]:
         objects: list[Any] = []
-        if isinstance(self.shard, IterableDatasetShard):
+        if isinstance(self.shard, ShardedIterable):
             objects.append(self.shard)
         elif self.shard is not None:
             objects += [self.shard.batch_sampler, self.shard.sampler]
@@ -186,7 +186,7 @@ class PreparedDataLoader(DataLoader[Any]):
             return self.shard.uneven_tail
         if self.dispatch is not None:
             return not self.dispatch.even_batches and self._dispatched_real is not None
-        if isinstance(self.shard, IterableDatasetShard):
+        if isinstance(self.shard, ShardedIterable):
             return not self.shard.even_batches and self.shard.final_real_samples is not None
         return False
 
@@ -204,7 +204,7 @@ class PreparedDataLoader(DataLoader[Any]):
         """Samples per optimizer step over all processes."""
         if self.dispatch is not None:
             return self.dispatch.per_process * self.state.data_parallel_size
-        if isinstance(self.shard, IterableDatasetShard):
+        if isinstance(self.shard, ShardedIterable):
             return self.shard.global_batch_size
         size = getattr(self.shard, "batch_size", None) or self.batch_size
         if size is None:

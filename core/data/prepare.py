@@ -23,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..runtime.state import ProcessState, current_state
 from .active_loaders import ActiveLoaders
-from .iterable import IterableDatasetShard
+from .iterable import IterableDatasetShard, ShardedIterable
 from .loader import Dispatch, PreparedDataLoader
 from .named_loaders import DataLoaderDispatcher, DataLoaderShard
 from .samplers import (
@@ -241,7 +241,7 @@ def shard_data_loader(
                 **common,
                 **kwargs,
             )
-        shard: IterableDatasetShard
+        shard: ShardedIterable
         if can_shard_itself(dataset, processes):
             shard = SelfShardedStream(dataset, state=state, **options)  # reads only its part
         elif stateful and is_stateful(dataset):

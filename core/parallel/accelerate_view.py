@@ -29,7 +29,8 @@ _ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class AccelerateView:
-    """Mixed into ``ParallelismConfig``: Accelerate's launcher variables and mesh names."""
+    """Mixed into ``ParallelismConfig``: Accelerate's launcher variables, size properties
+    and mesh names."""
 
     pp_size: int | None
     ep_size: int | None
@@ -37,9 +38,72 @@ class AccelerateView:
     dp_shard_size: int | None
     cp_size: int | None
     tp_size: int | None
+    #: The resolved sizes (config.MeshSizes) once the job's layout is known.
+    sizes: Any
 
     def _size(self, dim: str) -> int:
+        if self.sizes is not None:
+            return self.sizes.size(dim)
+        value = getattr(self, f"{dim}_size")
+        return 1 if value in (None, -1) else int(value)
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self._size("dp_replicate") > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self._size("dp_shard") > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self._size("tp") > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self._size("cp") > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self._size("pp") > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self._size("ep") > 1
+
+    @property
+    def total_size(self) -> int:
+        return math.prod(self._size(d) for d in _ORDER)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._size("dp_replicate") * self._size("dp_shard")
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self._size("tp") * self._size("cp") * self._size("pp")
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether anything beyond plain data parallelism is asked for."""
+        return self.tp_enabled or self.cp_enabled or self.pp_enabled or self.ep_enabled
+
+    @property
+    def active_mesh_dims(self) -> list[str]:
+        return [d for d in _ORDER if self._size(d) > 1]
+
+    #: Accelerate's DeepSpeed (Ulysses) sequence parallelism, which slipstream does not
+    #: provide: never enabled (``transformers.Trainer`` asks).
+    sp_backend = "deepspeed"
+    sp_size = 1
+    sp_enabled = False
+
+    def to_config(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings as ``TrainingArguments.to_dict`` stores them (:meth:`to_config`)."""
+        return self.to_config()
 
     def resolve(self, world_size: int) -> Any:  # config.MeshSizes
         raise NotImplementedError

@@ -96,8 +96,8 @@ class TorchContextParallelConfig:
             self.cp_comm_strategy = given or "allgather"
         if self.cp_comm_strategy not in CP_COMM_STRATEGIES:
             raise ParallelismConfigError(
-                f"Invalid cp_comm_strategy: {self.cp_comm_strategy}{source}; use one of "
-                f"{', '.join(CP_COMM_STRATEGIES)}"
+                f"cp_comm_strategy must be one of {', '.join(CP_COMM_STRATEGIES)}, got "
+                f"{self.cp_comm_strategy!r}{source}"
             )
 
 
@@ -342,68 +342,6 @@ class ParallelismConfig(AccelerateView):
         resolved = MeshSizes(**sizes, ep=ep)
         self.sizes = resolved
         return resolved
-
-    # -- Accelerate's properties --------------------------------------------------------
-    def _size(self, dim: str) -> int:
-        if self.sizes is not None:
-            return self.sizes.size(dim)
-        value = getattr(self, f"{dim}_size")
-        return 1 if value in (None, -1) else int(value)
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self._size("dp_replicate") > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self._size("dp_shard") > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self._size("tp") > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self._size("cp") > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self._size("pp") > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self._size("ep") > 1
-
-    @property
-    def total_size(self) -> int:
-        return math.prod(self._size(d) for d in MESH_DIMS)
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self._size("dp_replicate") * self._size("dp_shard")
-
-    @property
-    def non_data_parallel_size(self) -> int:
-        return self._size("tp") * self._size("cp") * self._size("pp")
-
-    @property
-    def model_parallel(self) -> bool:
-        """Whether anything beyond plain data parallelism is asked for."""
-        return self.tp_enabled or self.cp_enabled or self.pp_enabled or self.ep_enabled
-
-    @property
-    def active_mesh_dims(self) -> list[str]:
-        return [d for d in MESH_DIMS if self._size(d) > 1]
-
-    #: Accelerate's DeepSpeed (Ulysses) sequence parallelism, which slipstream does not
-    #: provide: never enabled (``transformers.Trainer`` asks).
-    sp_backend = "deepspeed"
-    sp_size = 1
-    sp_enabled = False
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings as ``TrainingArguments.to_dict`` stores them (:meth:`to_config`)."""
-        return self.to_config()
 
     # -- config files -------------------------------------------------------------------
     def to_config(self) -> dict[str, Any]:

@@ -13,9 +13,7 @@ Example::
 from __future__ import annotations
 
 import atexit
-import contextlib
 import enum
-import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,7 +24,7 @@ import torch.distributed as dist
 from . import env
 from .env import LaunchEnvironment, enable_flight_recorder, read_launch_environment
 from .errors import guarded
-from .flight import PROGRESS, is_timeout, report_timeout
+from .process_exit import destroy_group_at_exit, watch_for_failure
 from .xla import process_layout, rendezvous, wants_xla
 
 if TYPE_CHECKING:
@@ -222,8 +220,8 @@ class ProcessState:
                 )
             dist.init_process_group(**init_kwargs)  # type: ignore[arg-type]
             owns = True
-            _watch_for_failure()
-            atexit.register(_destroy_group_at_exit)
+            watch_for_failure()
+            atexit.register(destroy_group_at_exit)
         elif world > 1:
             backend = dist.get_backend()
             if device.type == "cuda":
@@ -394,43 +392,6 @@ def _attempt_store(launch: LaunchEnvironment, timeout: timedelta | None) -> dist
         timeout=timeout or DEFAULT_TIMEOUT,
     )
     return dist.PrefixStore(f"slipstream/attempt_{launch.restart_count}/", server)
-
-
-_failed = False
-#: How long a cleanly finishing process waits at exit for the others to finish too.
-EXIT_BARRIER_TIMEOUT = timedelta(seconds=60)
-
-
-def note_failure() -> None:
-    """Record that this process is ending with an error (no exit barrier then)."""
-    global _failed
-    _failed = True
-
-
-def _watch_for_failure() -> None:
-    previous = sys.excepthook
-
-    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        note_failure()
-        if is_timeout(value):  # a collective timed out: let the hang watchdog report first
-            report_timeout(f"{kind.__name__}: {str(value)[:120]}")
-        previous(kind, value, tb)
-
-    sys.excepthook = excepthook
-
-
-def _destroy_group_at_exit() -> None:
-    # Without this gloo can abort at interpreter shutdown ("terminate called without an
-    # active exception") and turn a successful run into a non-zero exit code. A process
-    # that finished cleanly first waits (bounded) for the others, so no process tears down
-    # connections a peer is still using; after a failure it leaves at once.
-    PROGRESS.finishing = True  # waiting for the others here is not a hang of this process
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if not _failed and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
-        with contextlib.suppress(Exception):
-            dist.monitored_barrier(timeout=EXIT_BARRIER_TIMEOUT)
-    dist.destroy_process_group()
 
 
 _current: ProcessState | None = None

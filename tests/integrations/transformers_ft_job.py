@@ -27,11 +27,14 @@ class BothGroups(transformers.TrainerCallback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.quorum: list[int] = []
+        self.held: Any = None  # the controller, kept past the Trainer (and its Accelerator)
 
     def controller(self) -> Any:
         from slipstream.accelerator.shared_state import latest_accelerator
 
-        return latest_accelerator().fault_tolerance  # type: ignore[union-attr]
+        if self.held is None:
+            self.held = latest_accelerator().fault_tolerance  # type: ignore[union-attr]
+        return self.held
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         (self.out / f"ready-{self.controller().replica_id}").write_text("")

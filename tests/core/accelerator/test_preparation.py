@@ -131,9 +131,9 @@ def _evaluation_mode() -> dict:
     # Training prepares it again: now it is wrapped for data parallelism.
     trained = acc.prepare(original)
     seen["training"] = type(trained._orig_mod).__name__
-    seen["compiled_ddp_unwraps_plain"] = (
-        acc.unwrap_model(trained, keep_torch_compile=True) is original
-    )
+    # A compiled DDP wrapper is not rewired: a new compiled wrapper of the user's module.
+    kept = acc.unwrap_model(trained, keep_torch_compile=True)
+    seen["compiled_ddp_unwraps_plain"] = kept is not trained and kept._orig_mod is original
     return seen
 
 
