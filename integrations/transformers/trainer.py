@@ -24,6 +24,7 @@ import transformers
 
 from .accelerator import TrainerConfigurationError, build_accelerator
 from .deepspeed import check_arguments as check_deepspeed_arguments
+from .fault_tolerance import FaultTolerantTraining
 from .routing import route_trainer_functions
 
 T = TypeVar("T", bound=type)
@@ -52,8 +53,12 @@ class SlipstreamTrainerMixin:
         self, *args: Any, accelerator_options: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> None:
         self.accelerator_options = dict(accelerator_options or {})
+        self._fault_tolerant: FaultTolerantTraining | None = None
         route_trainer_functions()
         super().__init__(*args, **kwargs)
+        self._fault_tolerant = (
+            FaultTolerantTraining(self) if self.accelerator.fault_tolerance is not None else None
+        )
 
     # -- the accelerator ------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -156,6 +161,27 @@ class SlipstreamTrainerMixin:
         if isinstance(count, torch.Tensor) and sharing > 1:
             count = count * sharing
         return count
+
+    # -- fault tolerance: committed steps, the loader's epochs ----------------------------
+    def set_initial_training_values(self, *args: Any, **kwargs: Any) -> Any:
+        values = super().set_initial_training_values(*args, **kwargs)  # type: ignore[misc]
+        if self._fault_tolerant is None:
+            return values
+        return self._fault_tolerant.training_values(values)
+
+    def _run_epoch(self, **arguments: Any) -> Any:
+        if self._fault_tolerant is not None:
+            arguments = self._fault_tolerant.epoch_arguments(arguments)
+        return super()._run_epoch(**arguments)  # type: ignore[misc]
+
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: torch.device
+    ) -> tuple[list[Any], Any]:
+        training = self._fault_tolerant
+        if training is None or training.tracker is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc,no-any-return]
+        batches = training.batches(self, epoch_iterator, num_batches)
+        return batches, self._get_num_items_in_batch(batches, device)
 
     # -- pipeline parallelism -------------------------------------------------------------
     def training_step(
