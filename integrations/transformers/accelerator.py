@@ -15,6 +15,7 @@ What maps to what:
 * ``fsdp`` / ``fsdp_config`` -> slipstream's ``FullyShardedDataParallelPlugin`` (FSDP2);
 * ``deepspeed`` -> slipstream's ``DeepSpeedPlugin`` holding the Trainer's
   ``HfTrainerDeepSpeedConfig`` (see :mod:`.deepspeed`);
+* ``output_dir`` -> ``project_dir`` (hang reports go to ``{output_dir}/diagnostics/``);
 * ``accelerator_options`` (the slipstream Trainer's keyword) -> any further Accelerator
   argument: ``parallelism_config`` with tp/pp/ep sizes, ``fault_tolerance``,
   ``hang_timeout``, ``callbacks``...
@@ -98,6 +99,10 @@ def accelerator_arguments(trainer: Any, options: Mapping[str, Any]) -> dict[str,
         gradient_accumulation_plugin=_accumulation_plugin(trainer),
     )
     arguments["deepspeed_plugin"] = deepspeed_plugin(trainer)
+    if "project_dir" not in options and "project_config" not in options:
+        # What the run writes besides the Trainer's checkpoints (hang reports in
+        # diagnostics/) goes where the Trainer writes, not into the working directory.
+        arguments["project_dir"] = trainer.args.output_dir
     arguments.update(options)
     return arguments
 

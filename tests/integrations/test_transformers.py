@@ -308,9 +308,10 @@ def _layouts(out: str) -> dict[str, Any]:
     return results
 
 
-def fault_tolerant_job_means(out: Path) -> list[float]:
-    """Checks what tests/integrations/transformers_ft_job.py wrote to ``out``; returns the
-    mean of the two groups' losses in steps 1 and 2 (before the kill)."""
+def fault_tolerant_job_means(out: Path, output: str) -> list[float]:
+    """Checks what tests/integrations/transformers_ft_job.py wrote to ``out`` and the
+    launcher's ``output``; returns the mean of the two groups' losses in steps 1 and 2
+    (before the kill)."""
     survivor, victim, restarted = (
         [json.loads(line) for line in (out / f"{name}.jsonl").read_text().split("\n")[:-1]]
         for name in ("replica0-life0", "replica1-life0", "replica1-life1")
@@ -328,9 +329,14 @@ def fault_tolerant_job_means(out: Path) -> list[float]:
         assert (summary["global_step"], summary["job_step"]) == (last, last), summary
     assert end["committed"] == last and end["discarded"] >= 1, end
     assert healed_end["recoveries"] == 1, healed_end
+    # The launcher says each event once: the loss, the rejoin, every group's end.
+    assert output.count("replica group replica_1 lost (SIGKILL) at step 2; restart 1/1") == 1
+    assert output.count("replica group replica_1 rejoined at step") == 1, output
+    for group in (0, 1):
+        assert output.count(f"replica group replica_{group}: finished at step {last};") == 1
     assert (end["weights"], end["epoch"]) == (healed_end["weights"], healed_end["epoch"])
-    # Every committed step is logged once, the discarded step 3 not at all (its loss is
-    # not added to the next one's: every logged loss is one, ~4.2 and falling).
+    # Every committed step is logged once, the discarded step 3 not at all (nor is its loss
+    # added to the next step's: each logged loss is one step's, ~4.2 and falling).
     assert [line["step"] for line in ours] == list(range(1, last + 1)), ours
     assert [line["step"] for line in victim] == [1, 2]
     assert all(line["loss"] < 4.5 for line in ours), ours
@@ -375,7 +381,9 @@ def test_tensor_pipeline_expert_parallel_and_fault_tolerant_trainers_train_as_ac
     assert result.returncode == 0, result.stdout[-3000:]
     # Steps 1-2 (both groups, before the kill): the mean of the groups' losses is the loss of
     # the whole batch as the DDP Trainer above logged it.
-    assert_close(fault_tolerant_job_means(tmp_path), results[0]["accelerate"]["loss"], 1e-5)
+    assert_close(
+        fault_tolerant_job_means(tmp_path, result.stdout), results[0]["accelerate"]["loss"], 1e-5
+    )
 
 
 # -- TRL ------------------------------------------------------------------------------------
