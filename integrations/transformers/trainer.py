@@ -163,6 +163,19 @@ class SlipstreamTrainerMixin:
         return count
 
     # -- fault tolerance: committed steps, the loader's epochs ----------------------------
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        if resume_from_checkpoint and self._fault_tolerant is not None:
+            raise TrainerConfigurationError(
+                "resume_from_checkpoint under fault tolerance is not supported: a Trainer "
+                "checkpoint holds neither the job's committed step nor the fault-tolerant "
+                "loader's position. A restarted replica group heals from a live one without "
+                "it; to restart a whole job from a checkpoint, use slipstream's Accelerator "
+                "with save_state/load_state, which fault tolerance resumes from"
+            )
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
     def set_initial_training_values(self, *args: Any, **kwargs: Any) -> Any:
         values = super().set_initial_training_values(*args, **kwargs)  # type: ignore[misc]
         if self._fault_tolerant is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,11 @@ def train(
     model: Any = None,
     options: dict[str, Any] | None = None,
     callbacks: list[Any] | None = None,
+    after: Callable[[Any], None] | None = None,
     **arguments: Any,
 ) -> dict[str, Any]:
-    """One Trainer run on ``backend`` ("accelerate" or "slipstream"); its logged numbers."""
+    """One Trainer run on ``backend`` ("accelerate" or "slipstream"); its logged numbers.
+    ``after`` is called with the Trainer once it trained."""
     import transformers
 
     from slipstream.integrations.transformers import Trainer
@@ -97,6 +100,8 @@ def train(
     else:
         trainer = Trainer(**common, accelerator_options=options)
     trainer.train(resume_from_checkpoint=resume)
+    if after is not None:
+        after(trainer)
     history = trainer.state.log_history
     return {
         "loss": [row["loss"] for row in history if "loss" in row],
@@ -318,9 +323,15 @@ def fault_tolerant_job_means(out: Path, output: str) -> list[float]:
     )
     assert victim and "summary" not in victim[-1], "group 1's first life was killed"
     (end, ours), (healed_end, theirs) = (
-        (run[-1]["summary"], [line for line in run if "step" in line])
+        (
+            next(line["summary"] for line in run if "summary" in line),
+            [line for line in run if "step" in line],
+        )
         for run in (survivor, restarted)
     )
+    # A Trainer under fault tolerance refuses resume_from_checkpoint (asked after training).
+    for run in (survivor, restarted):
+        assert "resume_from_checkpoint under fault tolerance is not supported" in run[-1]["refused"]
     last = end["global_step"]
     assert last >= 6
     # The Trainer's step is the job's committed step, in both groups; the healed group's
@@ -330,7 +341,8 @@ def fault_tolerant_job_means(out: Path, output: str) -> list[float]:
     assert end["committed"] == last and end["discarded"] >= 1, end
     assert healed_end["recoveries"] == 1, healed_end
     # The launcher says each event once: the loss, the rejoin, every group's end.
-    assert output.count("replica group replica_1 lost (SIGKILL) at step 2; restart 1/1") == 1
+    lost = [line for line in output.splitlines() if "replica group replica_1 lost (" in line]
+    assert len(lost) == 1 and "(SIGKILL)" in lost[0] and lost[0].endswith("restart 1/1"), lost
     assert output.count("replica group replica_1 rejoined at step") == 1, output
     for group in (0, 1):
         assert output.count(f"replica group replica_{group}: finished at step {last};") == 1

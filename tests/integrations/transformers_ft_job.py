@@ -8,7 +8,8 @@ until a step has both groups again, so both groups end together at the same step
 Each run (group, life) writes OUT/replica{G}-life{L}.jsonl: one line per logged step
 (``{"step", "loss", "groups", "epoch"}``: its committed step, the loss of its share of the
 global batch, the groups in the step's quorum, the Trainer's epoch), the Trainer's
-``train_loss``, and a last line with its summary.
+``train_loss``, its summary, and the refusal of ``resume_from_checkpoint`` asked after
+training.
 
 Arguments: OUT_DIR MAX_STEPS DIE_AT.
 """
@@ -141,6 +142,17 @@ def main() -> None:
             output.register_hook(kill_in_backward)
 
     model.lm_head.register_forward_hook(arm)
+
+    def resume(trainer: Any) -> None:
+        from slipstream.integrations.transformers import TrainerConfigurationError
+
+        try:
+            trainer.train(resume_from_checkpoint=str(out / "trainer"))
+        except TrainerConfigurationError as error:
+            path = out / f"replica{record.replica}-life{life}.jsonl"
+            with path.open("a") as lines:
+                lines.write(json.dumps({"refused": str(error)}) + "\n")
+
     train(
         "slipstream",
         str(out / "trainer"),
@@ -150,6 +162,7 @@ def main() -> None:
         gradient_accumulation_steps=2,
         samples=16,
         max_steps=max_steps,
+        after=resume,
     )
 
 
