@@ -9,12 +9,16 @@ epochs itself; here they follow the job instead:
 
 * ``state.global_step`` is the job's committed step count (``manager.current_step()``): a
   discarded step does not count and its loss is not logged; a healed group goes on from
-  the job's step. ``max_steps`` (given, or derived from the epochs with every group alive)
-  is therefore reached with that many committed steps, by every group at the same step.
+  the job's step (its first logged loss and its ``train_loss`` cover its own steps).
+  ``max_steps`` (given, or derived from the epochs with every group alive) is therefore
+  reached with that many committed steps, by every group at the same step.
 * an epoch lasts until the loader has dealt all its samples (a lost group leaves larger
   shares to the others; a discarded step deals its samples again); the micro-batch that
   deals the last ones ends the step, and the loader keeps its own epoch count (a healed
-  group's loader is in the job's epoch). Epochs go on until ``max_steps``.
+  group's loader is in the job's epoch). Epochs go on until ``max_steps``; ``state.epoch``
+  is the loader's epoch and the fraction of its samples committed, alike in every group.
+* ``resume_from_checkpoint`` is refused (the Trainer's checkpoint holds neither the job's
+  step nor the loader's position).
 """
 
 from __future__ import annotations
