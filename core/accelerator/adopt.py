@@ -216,19 +216,59 @@ def fsdp_plugin(plugin: Any) -> FullyShardedDataParallelPlugin | None:
 def deepspeed_plugin(plugin: Any) -> DeepSpeedPlugin | None:
     """Accelerate's ``DeepSpeedPlugin`` as slipstream's: its DeepSpeed config (the JSON
     ``transformers.TrainingArguments(deepspeed=...)`` wrote, or the one its short options
-    built) is the whole configuration."""
+    built) is the whole configuration. The object holding that config (transformers'
+    ``HfTrainerDeepSpeedConfig``) is kept, not copied: the Trainer fills in its ``"auto"``
+    values after building the Accelerator, and reads it back from ``state.deepspeed_plugin``."""
     from ..strategies.deepspeed_plugin import DeepSpeedPlugin
 
     if plugin is None or isinstance(plugin, DeepSpeedPlugin):
         return plugin
     if type(plugin).__name__ != "DeepSpeedPlugin":
         raise TypeError(f"deepspeed_plugin takes a DeepSpeedPlugin; got {plugin!r}")
-    config = getattr(plugin, "deepspeed_config", None)
-    if not isinstance(config, dict):
-        config = getattr(getattr(plugin, "hf_ds_config", None), "config", None)
-    if not isinstance(config, dict):
+    source = getattr(plugin, "hf_ds_config", None)
+    if not isinstance(getattr(source, "config", None), dict):
+        source = getattr(plugin, "deepspeed_config", None)
+    if not isinstance(source, dict) and not isinstance(getattr(source, "config", None), dict):
         raise TypeError(f"deepspeed_plugin: {plugin!r} carries no DeepSpeed config")
-    return DeepSpeedPlugin(hf_ds_config=dict(config))
+    return DeepSpeedPlugin(
+        hf_ds_config=source, zero3_init_flag=bool(getattr(plugin, "zero3_init_flag", False))
+    )
+
+
+def deepspeed_placeholders(objects: Sequence[Any]) -> tuple[Any, ...]:
+    """``objects`` with Accelerate's ``DummyOptim`` / ``DummyScheduler`` (transformers'
+    ``deepspeed_init`` makes them when the DeepSpeed JSON defines the optimizer or the
+    scheduler) as slipstream's; a scheduler's optimizer is the converted one."""
+    from ..strategies.deepspeed_plugin import DummyOptim, DummyScheduler
+
+    def accelerates(obj: Any, name: str) -> bool:
+        return type(obj).__name__ == name and type(obj).__module__.startswith("accelerate")
+
+    if not any(accelerates(o, "DummyOptim") or accelerates(o, "DummyScheduler") for o in objects):
+        return tuple(objects)
+    converted: dict[int, Any] = {}
+
+    def optimizer(obj: Any) -> Any:
+        if not accelerates(obj, "DummyOptim"):
+            return obj
+        if id(obj) not in converted:
+            converted[id(obj)] = DummyOptim(
+                obj.params, lr=obj.lr, weight_decay=obj.weight_decay, **obj.kwargs
+            )
+        return converted[id(obj)]
+
+    def convert(obj: Any) -> Any:
+        if accelerates(obj, "DummyScheduler"):
+            return DummyScheduler(
+                optimizer(obj.optimizer),
+                total_num_steps=obj.total_num_steps,
+                warmup_num_steps=obj.warmup_num_steps,
+                lr_scheduler_callable=getattr(obj, "lr_scheduler_callable", None),
+                **obj.kwargs,
+            )
+        return optimizer(obj)
+
+    return tuple(convert(obj) for obj in objects)
 
 
 def parallelism_config(config: Any) -> ParallelismConfig | None:

@@ -21,6 +21,7 @@ from ..options.kwargs import DataLoaderConfiguration
 from ..precision import Precision, restore_forward
 from ..runtime.state import ProcessState
 from ..strategies import Strategy
+from . import adopt
 from .compile import TorchDynamoPlugin, compile_model
 from .shared_state import GradientState, refuse_if_reset
 
@@ -107,6 +108,7 @@ class PreparationMixin:
                 f"device_placement has {len(device_placement)} entries for {len(args)} objects; "
                 "give one bool per object"
             )
+        args = adopt.deepspeed_placeholders(args)  # Accelerate's DummyOptim/DummyScheduler
         self._check_prepare_arguments(args)
         placements = list(device_placement or [self.device_placement] * len(args))
         results: list[Any] = list(args)

@@ -45,7 +45,8 @@ add(
     "epoch (a warning says so); Accelerate's own option objects (kwargs handlers, "
     "DataLoaderConfiguration, GradientAccumulationPlugin, TorchDynamoPlugin, "
     "FullyShardedDataParallelPlugin, DeepSpeedPlugin, ParallelismConfig) are converted field by "
-    "field, a field without an equivalent set away from its default is refused; "
+    "field, a field without an equivalent set away from its default is refused (prepare takes "
+    "Accelerate's DummyOptim and DummyScheduler too); "
     "adds even_batches, debug, callbacks, hang_timeout, save_on_preemption and preemption_signals; "
     + _KEYWORDS,
 )
@@ -55,7 +56,8 @@ add(
     DIFFERENT,
     "DeepSpeedPlugin",
     "no is_train_batch_min, transformer_moe_cls_names, enable_msamp or msamp_opt_level; "
-    + _KEYWORDS,
+    "deepspeed_config is the JSON's dict, None when the short options describe the run "
+    "(json_config() writes them as a JSON); " + _KEYWORDS,
 )
 add(
     _BOTH,
@@ -135,7 +137,7 @@ _ULYSSES = (
 add(
     UTILS,
     SAME,
-    """ComputeEnvironment DummyOptim DynamoBackend GradientAccumulationPlugin
+    """ComputeEnvironment DummyOptim DummyScheduler DynamoBackend GradientAccumulationPlugin
     KwargsHandler OffloadedWeightsLoader PrecisionType PrefixedDataset ProjectConfiguration
     RNGType TensorInformation TorchContextParallelConfig TorchTensorParallelConfig
     MODEL_NAME OPTIMIZER_NAME PROFILE_PATTERN_NAME RNG_STATE_NAME SAFE_MODEL_NAME
@@ -208,10 +210,6 @@ add_each(
         "gather_object": "the argument is named obj, not object",
         "send_to_device": "the first argument is named data; no skip_keys",
         "compute_module_sizes": "no buffers_only",
-        "DummyScheduler": (
-            "the scheduler is the DeepSpeed config's: lr_scheduler_callable is not called "
-            "(pass it by keyword; it is kept in .kwargs)"
-        ),
         "set_module_tensor_to_device": (
             "no fp16_statistics, tied_params_map, non_blocking or clear_cache"
         ),

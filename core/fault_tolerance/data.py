@@ -70,6 +70,12 @@ class FaultTolerantDataLoader:
     def num_samples(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
+    @property
+    def epoch_dealt(self) -> bool:
+        """Whether every sample of the epoch has been dealt: the open step holds the last
+        ones (the epoch ends once it commits; a discarded step deals them again)."""
+        return self._pending >= self.num_samples
+
     def __len__(self) -> int:
         """Steps per epoch with every replica group alive."""
         return math.ceil(self.num_samples / (self.batch_size * self._full_world()))

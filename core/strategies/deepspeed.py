@@ -9,6 +9,7 @@ DeepSpeed runs on its CPU accelerator over gloo.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -144,6 +145,8 @@ class DeepSpeedStrategy(Strategy):
             model=model,
             optimizer=None if isinstance(optimizer, DummyOptim) else optimizer,
             model_parameters=optimizer.params if isinstance(optimizer, DummyOptim) else None,
+            # A scheduler of the user's built on the engine's optimizer (the JSON has none).
+            lr_scheduler=getattr(engine_scheduler, "lr_scheduler_callable", None),
             config=self.config,
         )
         if engine_scheduler is not None:
@@ -213,7 +216,9 @@ class DeepSpeedStrategy(Strategy):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         sync = self.step_state.sync_gradients if self.step_state is not None else True
         self.engine.set_gradient_accumulation_boundary(sync)
-        # The Accelerator already divided the loss by the micro-batches of the cycle.
+        # The Accelerator (or transformers' Trainer, which also passes scale_wrt_gas=False)
+        # already divided the loss by the micro-batches of the cycle.
+        kwargs.pop("scale_wrt_gas", None)
         self.engine.backward(loss, scale_wrt_gas=False, **kwargs)
         self.engine.step()
 
@@ -231,7 +236,8 @@ class DeepSpeedStrategy(Strategy):
         value; returns the global norm of the last applied step (NaN before the first)."""
         if norm_type != 2.0:
             raise DeepSpeedConfigError("DeepSpeed clips by the 2-norm only")
-        self.engine._config.gradient_clipping = float(max_norm)
+        if math.isfinite(max_norm):  # an infinite max_norm asks for the norm only
+            self.engine._config.gradient_clipping = float(max_norm)
         norm = self.engine.get_global_grad_norm()
         return torch.tensor(float("nan") if norm is None else float(norm))
 

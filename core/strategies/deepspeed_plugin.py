@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -39,6 +39,9 @@ class DeepSpeedPlugin:
     Either ``hf_ds_config`` (a DeepSpeed JSON file or dict, whose ``"auto"`` values are
     filled in by ``prepare()``) or the short options below. ``gradient_clipping`` is
     always written into the DeepSpeed config (DeepSpeed would otherwise clip at 1.0).
+    ``hf_ds_config`` may also be an object holding the dict in ``.config`` (transformers'
+    ``HfTrainerDeepSpeedConfig``, which the Trainer keeps filling in until ``prepare()``):
+    it is kept, and its dict read when the engine is built.
     """
 
     hf_ds_config: Any = None
@@ -73,14 +76,20 @@ class DeepSpeedPlugin:
                 raise DeepSpeedConfigError(
                     f"deepspeed_config_file {self.hf_ds_config} is not valid JSON: {error}"
                 ) from None
-        if self.hf_ds_config is not None:
-            stage = self.hf_ds_config.get("zero_optimization", {}).get("stage", self.zero_stage)
+        config = self.deepspeed_config
+        if config is None and self.hf_ds_config is not None:
+            raise DeepSpeedConfigError(
+                "hf_ds_config takes a DeepSpeed JSON path, a dict, or an object holding the dict "
+                f"in .config; got {type(self.hf_ds_config).__name__}"
+            )
+        if config is not None:
+            stage = config.get("zero_optimization", {}).get("stage", self.zero_stage)
             if str(stage) not in ("0", "1", "2", "3"):
                 raise DeepSpeedConfigError(
                     f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}"
                 )
             self.zero_stage = int(stage)
-            save16 = self.hf_ds_config.get("zero_optimization", {}).get(
+            save16 = config.get("zero_optimization", {}).get(
                 "stage3_gather_16bit_weights_on_model_save"
             )
             if save16 is not None:
@@ -105,12 +114,44 @@ class DeepSpeedPlugin:
         return cls(**values)
 
     @property
+    def deepspeed_config(self) -> dict[str, Any] | None:
+        """The DeepSpeed JSON as a dict (the live one: edits reach the engine built by
+        ``prepare()``), or None when the short options describe the run."""
+        config = getattr(self.hf_ds_config, "config", self.hf_ds_config)
+        return config if isinstance(config, dict) else None
+
+    def json_config(self) -> dict[str, Any]:
+        """The DeepSpeed JSON this plugin stands for: its own, or one made of the short
+        options with ``"auto"`` for what ``prepare()`` fills in (batch sizes, accumulation,
+        clipping when unset).
+
+        Example::
+
+            DeepSpeedPlugin(zero_stage=3).json_config()["zero_optimization"]  # {"stage": 3}
+        """
+        if self.deepspeed_config is not None:
+            return self.deepspeed_config
+        config: dict[str, Any] = {
+            key: "auto"
+            for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping")
+        }
+        config["gradient_accumulation_steps"] = self.gradient_accumulation_steps or "auto"
+        if self.gradient_clipping is not None:
+            config["gradient_clipping"] = float(self.gradient_clipping)
+        config["zero_optimization"] = self._zero_section()
+        if self.zero_stage == 3:
+            config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = (
+                self.zero3_save_16bit_model
+            )
+        return config
+
+    @property
     def config_defines_optimizer(self) -> bool:
-        return bool(self.hf_ds_config and "optimizer" in self.hf_ds_config)
+        return "optimizer" in (self.deepspeed_config or {})
 
     @property
     def config_defines_scheduler(self) -> bool:
-        return bool(self.hf_ds_config and "scheduler" in self.hf_ds_config)
+        return "scheduler" in (self.deepspeed_config or {})
 
     def build_config(
         self,
@@ -123,16 +164,16 @@ class DeepSpeedPlugin:
         scheduler_values: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The DeepSpeed config dict with every ``"auto"`` resolved and checked."""
-        if self.hf_ds_config is not None:
-            config: dict[str, Any] = copy.deepcopy(dict(self.hf_ds_config))
+        if self.deepspeed_config is not None:
+            config: dict[str, Any] = copy.deepcopy(self.deepspeed_config)
         else:
             config = {"zero_optimization": self._zero_section()}
         steps = self.gradient_accumulation_steps or gradient_accumulation_steps
         micro = micro_batch_size or 1
         _fill(config, "train_micro_batch_size_per_gpu", micro)
         _fill(config, "gradient_accumulation_steps", steps)
-        _fill(config, "train_batch_size", micro * steps * world_size)
         expected = config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+        _fill(config, "train_batch_size", expected * world_size)
         if config["train_batch_size"] != expected * world_size:
             raise DeepSpeedConfigError(
                 f"train_batch_size ({config['train_batch_size']}) must equal "
@@ -222,18 +263,27 @@ class DummyOptim:
 
 
 class DummyScheduler:
-    """Stands in for the scheduler defined in the DeepSpeed JSON (stepped by the engine)."""
+    """Stands in for the scheduler defined in the DeepSpeed JSON, or for the one
+    ``lr_scheduler_callable(optimizer)`` builds on the engine's optimizer (a JSON that
+    defines the optimizer but no scheduler); the engine steps it.
+
+    Example::
+
+        scheduler = DummyScheduler(optimizer, total_num_steps=1000, warmup_num_steps=100)
+    """
 
     def __init__(
         self,
         optimizer: Any,
         total_num_steps: int | None = None,
         warmup_num_steps: int = 0,
+        lr_scheduler_callable: Callable[[Any], Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self.optimizer = optimizer
         self.total_num_steps = total_num_steps
         self.warmup_num_steps = warmup_num_steps
+        self.lr_scheduler_callable = lr_scheduler_callable
         self.kwargs = kwargs
         #: The engine's scheduler built from the config (set by the DeepSpeed strategy).
         self.engine_scheduler: Any = None

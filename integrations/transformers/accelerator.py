@@ -13,6 +13,9 @@ What maps to what:
   the Trainer's own ``_build_accelerator_args`` (its Accelerate objects are converted by the
   Accelerator);
 * ``fsdp`` / ``fsdp_config`` -> slipstream's ``FullyShardedDataParallelPlugin`` (FSDP2);
+* ``deepspeed`` -> slipstream's ``DeepSpeedPlugin`` holding the Trainer's
+  ``HfTrainerDeepSpeedConfig`` (see :mod:`.deepspeed`);
+* ``output_dir`` -> ``project_dir`` (hang reports go to ``{output_dir}/diagnostics/``);
 * ``accelerator_options`` (the slipstream Trainer's keyword) -> any further Accelerator
   argument: ``parallelism_config`` with tp/pp/ep sizes, ``fault_tolerance``,
   ``hang_timeout``, ``callbacks``...
@@ -23,13 +26,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .deepspeed import deepspeed_plugin, fill_trainer_values
+from .errors import TrainerConfigurationError
+
 #: Accelerator arguments the Trainer derives from TrainingArguments; accelerator_options may
 #: not set them (they would contradict the arguments the Trainer itself follows).
 DERIVED = ("gradient_accumulation_plugin", "gradient_accumulation_steps", "dataloader_config")
-
-
-class TrainerConfigurationError(ValueError):
-    """The Trainer's arguments ask for something slipstream's Trainer does not do."""
 
 
 def _accumulation_plugin(trainer: Any) -> Any:
@@ -75,18 +77,13 @@ def _fsdp_plugin(trainer: Any) -> Any:
 
 def accelerator_arguments(trainer: Any, options: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword arguments of slipstream's Accelerator for ``trainer``."""
-    if trainer.args.deepspeed_plugin is not None:
-        raise TrainerConfigurationError(
-            "TrainingArguments(deepspeed=...) is not supported by slipstream's Trainer: "
-            "transformers drives DeepSpeed through Accelerate's DeepSpeedPlugin "
-            "(deepspeed_init and its HfTrainerDeepSpeedConfig). Shard with fsdp=... (FSDP2), "
-            "or run DeepSpeed with slipstream's Accelerator in your own loop"
-        )
-    clashing = sorted(set(options) & set(DERIVED))
+    derived = DERIVED + (("deepspeed_plugin",) if trainer.args.deepspeed_plugin else ())
+    clashing = sorted(set(options) & set(derived))
     if clashing:
         raise TrainerConfigurationError(
             f"accelerator_options cannot set {clashing}: the Trainer derives them from "
-            "TrainingArguments (gradient_accumulation_steps, accelerator_config, data_seed)"
+            "TrainingArguments (gradient_accumulation_steps, accelerator_config, data_seed, "
+            "deepspeed)"
         )
     if not callable(getattr(trainer, "_build_accelerator_args", None)):
         import transformers
@@ -101,7 +98,11 @@ def accelerator_arguments(trainer: Any, options: Mapping[str, Any]) -> dict[str,
         fsdp_plugin=_fsdp_plugin(trainer),
         gradient_accumulation_plugin=_accumulation_plugin(trainer),
     )
-    arguments.pop("deepspeed_plugin", None)
+    arguments["deepspeed_plugin"] = deepspeed_plugin(trainer)
+    if "project_dir" not in options and "project_config" not in options:
+        # What the run writes besides the Trainer's checkpoints (hang reports in
+        # diagnostics/) goes where the Trainer writes, not into the working directory.
+        arguments["project_dir"] = trainer.args.output_dir
     arguments.update(options)
     return arguments
 
@@ -121,4 +122,6 @@ def build_accelerator(trainer: Any, options: Mapping[str, Any]) -> Any:
         AcceleratorState._reset_state(reset_partial_state=True)
     from slipstream import Accelerator
 
-    return Accelerator(**arguments)
+    accelerator = Accelerator(**arguments)
+    fill_trainer_values(trainer, accelerator)
+    return accelerator

@@ -23,6 +23,8 @@ import torch
 import transformers
 
 from .accelerator import TrainerConfigurationError, build_accelerator
+from .deepspeed import check_arguments as check_deepspeed_arguments
+from .fault_tolerance import FaultTolerantTraining
 from .routing import route_trainer_functions
 
 T = TypeVar("T", bound=type)
@@ -51,8 +53,12 @@ class SlipstreamTrainerMixin:
         self, *args: Any, accelerator_options: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> None:
         self.accelerator_options = dict(accelerator_options or {})
+        self._fault_tolerant: FaultTolerantTraining | None = None
         route_trainer_functions()
         super().__init__(*args, **kwargs)
+        self._fault_tolerant = (
+            FaultTolerantTraining(self) if self.accelerator.fault_tolerance is not None else None
+        )
 
     # -- the accelerator ------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -60,6 +66,7 @@ class SlipstreamTrainerMixin:
         :mod:`slipstream.integrations.transformers.accelerator`), then set what the
         Trainer reads of it, as the Trainer does after building Accelerate's."""
         self.accelerator = build_accelerator(self, self.accelerator_options)
+        self._check_process_count()
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:
             gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
@@ -72,7 +79,21 @@ class SlipstreamTrainerMixin:
             state.fsdp_plugin = strategy.plugin
         self.is_deepspeed_enabled = state.deepspeed_plugin is not None
         self.is_fsdp_enabled = state.fsdp_plugin is not None
+        if self.is_deepspeed_enabled:
+            check_deepspeed_arguments(self, state.deepspeed_plugin)
         self._check_arguments(state.fsdp_plugin)
+
+    def _check_process_count(self) -> None:
+        # The Trainer counts processes with Accelerate's state (TrainingArguments.world_size:
+        # token counts, batch sizes, DeepSpeed's train_batch_size). On a machine without GPUs
+        # that state forms no process group unless use_cpu=True, and counts 1.
+        counted, running = self.args.world_size, self.accelerator.state.num_processes
+        if counted != running:
+            raise TrainerConfigurationError(
+                f"TrainingArguments count {counted} process(es) and this job runs {running}: "
+                "transformers' process state (Accelerate's) found no GPUs to form a process "
+                "group with. On CPU processes set TrainingArguments(use_cpu=True)"
+            )
 
     def _check_arguments(self, fsdp_plugin: Any) -> None:
         args = self.args
@@ -140,6 +161,40 @@ class SlipstreamTrainerMixin:
         if isinstance(count, torch.Tensor) and sharing > 1:
             count = count * sharing
         return count
+
+    # -- fault tolerance: committed steps, the loader's epochs ----------------------------
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        if resume_from_checkpoint and self._fault_tolerant is not None:
+            raise TrainerConfigurationError(
+                "resume_from_checkpoint under fault tolerance is not supported: a Trainer "
+                "checkpoint holds neither the job's committed step nor the fault-tolerant "
+                "loader's position. A restarted replica group heals from a live one without "
+                "it; to restart a whole job from a checkpoint, use slipstream's Accelerator "
+                "with save_state/load_state, which fault tolerance resumes from"
+            )
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def set_initial_training_values(self, *args: Any, **kwargs: Any) -> Any:
+        values = super().set_initial_training_values(*args, **kwargs)  # type: ignore[misc]
+        if self._fault_tolerant is None:
+            return values
+        return self._fault_tolerant.training_values(values)
+
+    def _run_epoch(self, **arguments: Any) -> Any:
+        if self._fault_tolerant is not None:
+            arguments = self._fault_tolerant.epoch_arguments(arguments)
+        return super()._run_epoch(**arguments)  # type: ignore[misc]
+
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: torch.device
+    ) -> tuple[list[Any], Any]:
+        training = self._fault_tolerant
+        if training is None or training.tracker is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc,no-any-return]
+        batches = training.batches(self, epoch_iterator, num_batches)
+        return batches, self._get_num_items_in_batch(batches, device)
 
     # -- pipeline parallelism -------------------------------------------------------------
     def training_step(

@@ -124,9 +124,46 @@ def test_accelerates_parallelism_config_and_deepspeed_plugin():
     with pytest.raises(ValueError, match="sequence parallelism"):
         adopt.parallelism_config(accelerate.ParallelismConfig(sp_size=2, sp_backend="deepspeed"))
     ds_config = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}
-    converted = adopt.deepspeed_plugin(accelerate_utils.DeepSpeedPlugin(hf_ds_config=ds_config))
-    assert converted.hf_ds_config["zero_optimization"]["stage"] == 3
+    theirs = accelerate_utils.DeepSpeedPlugin(hf_ds_config=ds_config)
+    converted = adopt.deepspeed_plugin(theirs)
+    assert converted.deepspeed_config["zero_optimization"]["stage"] == 3
     assert converted.zero_stage == 3
+    # The object holding the config is kept (transformers fills it in after the Accelerator
+    # is built): an edit of it is what the engine gets.
+    assert converted.hf_ds_config is theirs.hf_ds_config
+    theirs.hf_ds_config.config["train_micro_batch_size_per_gpu"] = 3
+    assert converted.deepspeed_config["train_micro_batch_size_per_gpu"] == 3
+
+
+def test_accelerates_deepspeed_placeholders_become_slipstreams():
+    import torch
+
+    from slipstream.strategies.deepspeed_plugin import DummyOptim, DummyScheduler
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = accelerate_utils.DummyOptim(params, lr=0.1, weight_decay=0.01, betas=(0.8, 0.9))
+
+    def build(engine_optimizer: object) -> None:
+        return None
+
+    scheduler = accelerate_utils.DummyScheduler(
+        optimizer, total_num_steps=10, warmup_num_steps=2, lr_scheduler_callable=build, cycle=3
+    )
+    model = torch.nn.Linear(1, 1)
+    same, ours_optimizer, ours_scheduler = adopt.deepspeed_placeholders(
+        (model, optimizer, scheduler)
+    )
+    assert same is model
+    assert isinstance(ours_optimizer, DummyOptim) and ours_optimizer.params == params
+    assert (ours_optimizer.lr, ours_optimizer.weight_decay) == (0.1, 0.01)
+    assert ours_optimizer.kwargs == {"betas": (0.8, 0.9)}
+    assert isinstance(ours_scheduler, DummyScheduler)
+    assert ours_scheduler.optimizer is ours_optimizer, "the scheduler follows its optimizer"
+    assert (ours_scheduler.total_num_steps, ours_scheduler.warmup_num_steps) == (10, 2)
+    assert ours_scheduler.lr_scheduler_callable is build and ours_scheduler.kwargs == {"cycle": 3}
+    # slipstream's own placeholders, and everything else, pass through as they are.
+    own = DummyOptim(params)
+    assert adopt.deepspeed_placeholders((own, model)) == (own, model)
 
 
 def test_state_and_parallelism_members_transformers_reads():

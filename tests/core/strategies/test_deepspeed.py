@@ -293,6 +293,39 @@ def test_plugin_validation_and_config_block():
     assert plugin.zero3_save_16bit_model and plugin.gradient_clipping == 1.0
 
 
+def test_plugin_holds_a_config_object_and_describes_short_options_as_json():
+    class HeldConfig:  # as transformers' HfTrainerDeepSpeedConfig holds its JSON
+        def __init__(self, config: dict) -> None:
+            self.config = config
+
+    held = HeldConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4})
+    plugin = DeepSpeedPlugin(hf_ds_config=held)
+    assert plugin.hf_ds_config is held and plugin.zero_stage == 3
+    held.config["gradient_accumulation_steps"] = 2  # filled in after the plugin was made
+    config = plugin.build_config(
+        micro_batch_size=None, gradient_accumulation_steps=1, world_size=2, mixed_precision="no"
+    )
+    assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (2, 16)
+    assert plugin.json_config() is held.config
+    short = DeepSpeedPlugin(zero_stage=3, offload_param_device="cpu", zero3_save_16bit_model=True)
+    assert short.deepspeed_config is None
+    assert short.json_config() == {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": False},
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    }
+    clipped = DeepSpeedPlugin(gradient_clipping=0.5, gradient_accumulation_steps=4).json_config()
+    assert (clipped["gradient_clipping"], clipped["gradient_accumulation_steps"]) == (0.5, 4)
+    with pytest.raises(DeepSpeedConfigError, match="hf_ds_config takes a DeepSpeed JSON path"):
+        DeepSpeedPlugin(hf_ds_config=42)
+
+
 def test_missing_deepspeed_is_a_clear_error():
     code = (
         "import sys; sys.modules['deepspeed'] = None\n"
