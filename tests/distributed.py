@@ -140,18 +140,23 @@ def _process_start_variables(variables: dict[str, str]) -> dict[str, str]:
 def _warm_pool(world_size: int, environments: list[dict[str, str]]) -> WarmPool | None:
     """The warm workers for ``world_size`` ranks, or None where the call's environment
     changes what a process reads at start-up from what they started with."""
+
+    def base(rank: int) -> dict[str, str]:  # this test process's own environment, no call's
+        return _process_start_variables(
+            {**os.environ, **_rank_environment(rank, world_size, "0", None)}
+        )
+
     pool = _pools.get(world_size)
-    if pool is not None and not pool.alive():
+    # A session fixture may change this process's environment for the tests after it (the S3
+    # server's FSSPEC_S3_ENDPOINT_URL): new warm workers then, rather than fresh processes for
+    # every later call.
+    if pool is not None and (
+        not pool.alive() or pool.started_with != [base(r) for r in range(world_size)]
+    ):
         pool.close()
         pool = None
     if pool is None:
-        # Started with this test process's own environment (not the call's ``env``).
-        pool = _pools[world_size] = WarmPool(
-            world_size,
-            lambda rank: _process_start_variables(
-                {**os.environ, **_rank_environment(rank, world_size, "0", None)}
-            ),
-        )
+        pool = _pools[world_size] = WarmPool(world_size, base)
     for started, wanted in zip(pool.started_with, environments, strict=True):
         if started != _process_start_variables(wanted):
             return None

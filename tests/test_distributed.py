@@ -62,3 +62,22 @@ def test_run_python_and_what_it_launches_choose_the_cpu(monkeypatch, tmp_path: P
     assert result.returncode == 0, result.stderr
     found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert found == [{"visible": "", "device": "cpu", "type": "MULTI_CPU"}] * 2
+
+
+def _parent_and_setting() -> tuple[int, str | None]:
+    return os.getppid(), os.environ.get("FSSPEC_TEST_SETTING")
+
+
+def test_a_changed_session_environment_gets_new_warm_workers_not_fresh_processes(monkeypatch):
+    """A session fixture that sets a variable read at start-up (the S3 server's
+    FSSPEC_S3_ENDPOINT_URL) must not turn every later test into fresh processes: the ranks are
+    still forked from warm workers (not this process's children), which see the variable."""
+    before = run_distributed(_parent_and_setting)
+    monkeypatch.setenv("FSSPEC_TEST_SETTING", "on")
+    after = run_distributed(_parent_and_setting)
+    assert all(parent != os.getpid() for parent, _ in before + after)
+    assert [setting for _, setting in before] == [None, None]
+    assert [setting for _, setting in after] == ["on", "on"]
+    # A call's own start-up variable still gets fresh processes (children of this process).
+    fresh = run_distributed(_parent_and_setting, env={"FSSPEC_TEST_SETTING": "call"})
+    assert fresh == [(os.getpid(), "call")] * 2

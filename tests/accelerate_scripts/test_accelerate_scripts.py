@@ -27,6 +27,9 @@ from tests.distributed import device_environment
 
 from .driver import called_functions
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 _package = accelerate_package()
 if _package is None:  # pragma: no cover - accelerate is a test dependency
     pytest.skip("accelerate is not installed", allow_module_level=True)

@@ -153,6 +153,7 @@ def test_every_file_is_placed(source: Path) -> None:
     assert not unplaced, f"place these in FILES or scope.OUT_OF_SCOPE_FILES: {sorted(unplaced)}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 120)
 @pytest.mark.parametrize("file", FILES)
 def test_accelerate_unit_tests(file: str, results: dict[str, dict[str, Any]]) -> None:

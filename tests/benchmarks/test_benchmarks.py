@@ -35,6 +35,7 @@ ON_WARM_WORKERS = {
 } | {name for name in SCRIPTS if "run_cases(" in (REPO / "benchmarks" / name).read_text()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_runs_quickly(script, monkeypatch, capsys):
     path = REPO / "benchmarks" / script

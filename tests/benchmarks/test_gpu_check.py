@@ -51,6 +51,7 @@ def _summary(stdout: str) -> tuple[int, int, int]:
     return int(passed), int(failed), int(skipped)
 
 
+@pytest.mark.slow
 def test_quick_mode_passes_every_check_or_skips_it_with_the_reason(tmp_path, monkeypatch):
     names = [check.name for check in _load("gpu_check", monkeypatch).CHECKS]
     report = tmp_path / "report.json"

@@ -39,6 +39,7 @@ def assert_learns(stdout: str, rise: float = 0.3) -> list[tuple[str, float, floa
     return curve
 
 
+@pytest.mark.slow
 def test_train_example_on_two_cpu_processes(tmp_path: Path):
     weights, chart = tmp_path / "weights.pt", tmp_path / "loss.png"
     result = run_cli(
@@ -63,6 +64,7 @@ def test_train_example_on_one_process():
     assert "on 1001 samples (1 process, cpu)" in result.stdout
 
 
+@pytest.mark.slow
 def test_evaluate_metrics_example_is_exact_on_two_processes():
     example = str(REPO / "examples" / "evaluate_metrics.py")
     one = run_python(example)
@@ -77,6 +79,7 @@ def example(name: str) -> str:
     return str(REPO / "examples" / name)
 
 
+@pytest.mark.slow
 def test_resume_example_continues_where_it_stopped(tmp_path: Path):
     project = str(tmp_path / "run")
     straight = run_cli(
@@ -113,12 +116,14 @@ def test_resume_example_continues_where_it_stopped(tmp_path: Path):
     assert learning_curve(resumed.stdout) == learning_curve(straight.stdout)[-1:]
 
 
+@pytest.mark.slow
 def test_distributed_inference_example():
     result = run_cli("launch", "-n", "2", "--cpu", example("distributed_inference.py"), "--quick")
     assert result.returncode == 0, result.stderr
     assert "101 answers from 2 processes" in result.stdout
 
 
+@pytest.mark.slow
 def test_fsdp_example(tmp_path: Path):
     result = run_cli(
         "launch",
@@ -137,6 +142,7 @@ def test_fsdp_example(tmp_path: Path):
     assert (tmp_path / "w" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_deepspeed_example(tmp_path: Path):
     pytest.importorskip("deepspeed")
     result = run_cli(
@@ -156,6 +162,7 @@ def test_deepspeed_example(tmp_path: Path):
     assert "is deprecated" not in result.stderr, "DeepSpeed's deprecation warnings are hidden"
 
 
+@pytest.mark.slow
 def test_tensor_parallel_example_on_four_processes(tmp_path: Path):
     result = run_cli(
         "launch", "-n", "4", "--cpu", example("tensor_parallel.py"), "--quick",
@@ -169,6 +176,7 @@ def test_tensor_parallel_example_on_four_processes(tmp_path: Path):
     assert (tmp_path / "w" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_example_with_a_transformers_model():
     pytest.importorskip("transformers")
     result = run_cli(
@@ -181,6 +189,7 @@ def test_tensor_parallel_example_with_a_transformers_model():
     assert_learns(result.stdout)
 
 
+@pytest.mark.slow
 def test_moe_example_learns_with_experts_over_two_of_four_processes(tmp_path: Path):
     transformers = pytest.importorskip("transformers")
     result = run_cli(
@@ -201,6 +210,7 @@ def test_moe_example_learns_with_experts_over_two_of_four_processes(tmp_path: Pa
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
 
 
+@pytest.mark.slow
 def test_moe_example_with_a_plain_module():
     result = run_cli(
         "launch", "-n", "2", "--cpu", example("moe.py"), "--quick", "--plain", timeout=300
@@ -210,6 +220,7 @@ def test_moe_example_with_a_plain_module():
     assert assert_learns(result.stdout)[-1][2] == 1.0, result.stdout
 
 
+@pytest.mark.slow
 def test_pipeline_example_is_the_same_script_with_and_without_a_pipeline(tmp_path: Path):
     pipelined = run_cli(
         "launch", "-n", "2", "--cpu", example("pipeline_parallel.py"), "--quick",
@@ -223,6 +234,7 @@ def test_pipeline_example_is_the_same_script_with_and_without_a_pipeline(tmp_pat
     assert (tmp_path / "w" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_pipeline_example_on_four_processes_shards_each_stage_without_being_told():
     """4 processes and 2 stages: the data-parallel size left unset takes the other 2 (FSDP2
     inside each stage); here with a transformers model, split by its own layers."""
@@ -238,6 +250,7 @@ def test_pipeline_example_on_four_processes_shards_each_stage_without_being_told
     assert assert_learns(result.stdout)[-1][2] > 0.8, result.stdout
 
 
+@pytest.mark.slow
 def test_lightning_example_learns_on_two_processes(tmp_path: Path):
     pytest.importorskip("lightning")
     result = run_python(
@@ -250,6 +263,7 @@ def test_lightning_example_learns_on_two_processes(tmp_path: Path):
     assert "it is recommended to use `Trainer(devices=1" not in result.stderr
 
 
+@pytest.mark.slow
 def test_big_model_inference_example_on_two_processes(tmp_path: Path):
     pytest.importorskip("transformers")
     result = run_cli(
@@ -266,6 +280,7 @@ def test_big_model_inference_example_on_two_processes(tmp_path: Path):
     assert [p.name for p in (tmp_path / "llama-offload-0").iterdir()] == ["index.json"]
 
 
+@pytest.mark.slow
 def test_fault_tolerant_example_learns_over_two_replica_groups():
     pytest.importorskip("torchft")
     result = run_cli(
@@ -286,6 +301,7 @@ def test_fault_tolerant_example_learns_over_two_replica_groups():
         )
 
 
+@pytest.mark.slow
 def test_trainer_example_learns_with_tensor_parallelism_on_two_processes(tmp_path: Path):
     # transformers' Trainer with one import changed; --tp splits the Llama with its own plan.
     result = run_cli(

@@ -11,6 +11,9 @@ import pytest
 from tests.core.runtime.test_preemption import _orphans_after_killing
 from tests.distributed import REPO
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("lightning")
 
 SCRIPT = str(REPO / "tests" / "integrations" / "lightning_scripts" / "park.py")

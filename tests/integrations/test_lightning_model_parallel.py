@@ -26,6 +26,9 @@ from slipstream.parallel import ParallelismConfigError
 from slipstream.strategies import FullyShardedDataParallelPlugin
 from tests.distributed import REPO, run_python
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SCRIPT = REPO / "tests" / "integrations" / "lightning_scripts" / "model_parallel.py"
 SAMPLES, VALIDATION_SAMPLES = 64, 31
 PLAN = {"mlp.up": "colwise", "mlp.down": "rowwise"}

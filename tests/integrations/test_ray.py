@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.torch")
 

@@ -144,6 +144,7 @@ def _data_parallel(out: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow
 def test_trainer_matches_accelerate_with_ddp_accumulation_evaluation_and_resume(
     tmp_path: Path,
 ) -> None:
@@ -211,6 +212,7 @@ def _one_process(out: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow
 def test_evaluation_on_one_process_matches_accelerate(tmp_path: Path) -> None:
     (result,) = run_distributed(_one_process, str(tmp_path), world_size=1, timeout=180)
     assert len(result["slipstream"]["eval_loss"]) == 2
@@ -364,6 +366,7 @@ def fault_tolerant_job_means(out: Path, output: str) -> list[float]:
     return [(a["loss"] + b["loss"]) / 2 for a, b in zip(ours[:2], victim, strict=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_tensor_pipeline_expert_parallel_and_fault_tolerant_trainers_train_as_accelerates_ddp(
     tmp_path: Path,

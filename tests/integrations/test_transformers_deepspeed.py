@@ -19,6 +19,9 @@ pytest.importorskip("deepspeed")
 from tests.distributed import run_distributed
 from tests.integrations.test_transformers import assert_close, train
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 BATCH_KEYS = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",

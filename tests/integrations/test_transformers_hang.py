@@ -15,6 +15,9 @@ pytest.importorskip("accelerate")
 from slipstream.diagnostics.hang import HANG_EXIT_CODE
 from tests.distributed import run_cli
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 JOB = Path(__file__).with_name("transformers_hang_job.py")
 TIMEOUT = 4.0
 

@@ -73,6 +73,7 @@ def _job(slow: int | None, delay: float) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slow", [2, None])
 def test_the_slowed_process_of_four_is_named(slow, capfd):
     results = run_distributed(_job, slow, 0.1, world_size=4)

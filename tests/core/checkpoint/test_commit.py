@@ -69,6 +69,7 @@ def _restore(project: str, path: str | None = None) -> tuple[float, str]:
     return acc.unwrap_model(model).weight[0, 0].item(), where
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new-folder", "same-path"])
 def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path, overwrite: bool):
     script = tmp_path / "killed.py"

@@ -394,6 +394,7 @@ def test_env_reports_versions_devices_and_config(tmp_path):
         assert expected in result.stdout
 
 
+@pytest.mark.slow
 def test_slipstream_test_runs_the_checks_under_a_config(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")

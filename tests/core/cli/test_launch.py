@@ -227,6 +227,7 @@ def test_a_bad_layout_exits_2_with_one_line_and_spawns_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "nothing was written"
 
 
+@pytest.mark.slow
 def test_a_config_error_inside_the_workers_ends_the_launch_with_exit_code_2():
     script = REPO / "tests" / "core" / "cli" / "tp_plan_does_not_divide.py"
     result = run_cli("launch", "--num_processes", "2", "--cpu", str(script), timeout=120)
@@ -251,6 +252,7 @@ PLANLESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_tensor_parallel_plan_can_come_from_a_flag(tmp_path: Path):
     """Asked for tp by a flag, the missing-plan error names the flag and the config key that
     give a plan, not only ParallelismConfig(tp_plan=...); and that flag works."""

@@ -205,6 +205,7 @@ PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_workers_run_the_layout_the_flags_give(tmp_path: Path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)

@@ -14,6 +14,9 @@ from slipstream.diagnostics.hang import HANG_EXIT_CODE, resolve_hang_timeout
 from slipstream.diagnostics.hang_report import build_report
 from tests.distributed import run_cli, run_python
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 JOB = Path(__file__).with_name("hang_job.py")
 TIMEOUT = 4.0
 #: The report must come within the timeout plus this (the watchdog looks every

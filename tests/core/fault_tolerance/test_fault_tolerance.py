@@ -18,6 +18,9 @@ from torch import nn
 from tests.core.fault_tolerance.ft_job import build_model, data, weights
 from tests.distributed import run_fault_tolerant_job
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torchft")
 
 JOB = Path(__file__).with_name("ft_job.py")

@@ -25,6 +25,9 @@ from slipstream.launcher.launch import LaunchRequest, torchrun_arguments
 from slipstream.optim.elastic import elastic_accumulation_steps, resumed_micro_steps
 from tests.distributed import REPO, device_environment, free_port, run_cli
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).with_name("elastic_train.py")
 #: Fast rendezvous for the test: a lost launcher is dropped after 5 s without a heartbeat
 #: (one a second; fewer seconds drop live ones on a busy machine),

@@ -18,6 +18,9 @@ from slipstream.launcher.failures import (
 )
 from tests.distributed import run_cli
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 CRASH = textwrap.dedent(
     """
     import time

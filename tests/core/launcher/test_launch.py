@@ -78,6 +78,7 @@ def test_launch_forms_one_gloo_group_and_passes_settings(probe: Path):
     assert "terminate called" not in result.stderr
 
 
+@pytest.mark.slow
 def test_plain_torchrun_forms_one_group(probe: Path):
     out = probe.parent / "out"
     result = run_python(
@@ -99,6 +100,7 @@ LOOKALIKES = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_script_arguments_that_look_like_torchrun_flags_reach_the_script_verbatim(probe: Path):
     out = probe.parent / "out"
     result = run_cli("launch", "-n", "2", "--cpu", str(probe), str(out), *LOOKALIKES)
@@ -122,6 +124,7 @@ def test_torchrun_reads_only_the_launchers_own_flags():
     assert binary.training_script_args == ["--start"]
 
 
+@pytest.mark.slow
 def test_config_file_with_flag_override(probe: Path):
     out = probe.parent / "out"
     config = probe.parent / "config.yaml"
@@ -139,6 +142,7 @@ def test_config_file_with_flag_override(probe: Path):
     assert all(r["precision"] == "bf16" for r in found), "the flag beats the file"
 
 
+@pytest.mark.slow
 def test_fsdp_from_flags_and_from_an_accelerate_config(probe: Path):
     out = probe.parent / "out"
     result = run_cli(
@@ -160,6 +164,7 @@ def test_fsdp_from_flags_and_from_an_accelerate_config(probe: Path):
     assert all(r["type"] == "FSDP" and r["precision"] == "bf16" for r in reports(out))
 
 
+@pytest.mark.slow
 def test_deepspeed_from_an_accelerate_config(probe: Path):
     pytest.importorskip("deepspeed")
     out = probe.parent / "out"
@@ -169,6 +174,7 @@ def test_deepspeed_from_an_accelerate_config(probe: Path):
     assert all(r["type"] == "DEEPSPEED" and r["precision"] == "bf16" for r in reports(out))
 
 
+@pytest.mark.slow
 def test_module_mode(probe: Path):
     out = probe.parent / "out"
     (probe.parent / "probe_module.py").write_text(PROBE)
@@ -177,6 +183,7 @@ def test_module_mode(probe: Path):
     assert_one_group(reports(out))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["c10d", "static"])
 def test_two_machines_on_localhost(probe: Path, backend: str):
     out = probe.parent / "out"
@@ -201,6 +208,7 @@ def test_two_machines_on_localhost(probe: Path, backend: str):
     assert [r["local_rank"] for r in found] == [0, 0], "one process on each machine"
 
 
+@pytest.mark.slow
 def test_a_crashing_rank_ends_the_job_with_its_traceback(tmp_path: Path):
     script = tmp_path / "crash.py"
     script.write_text(
@@ -224,6 +232,7 @@ def test_a_crashing_rank_ends_the_job_with_its_traceback(tmp_path: Path):
     assert "runpy" not in result.stderr, "bootstrap frames are hidden"
 
 
+@pytest.mark.slow
 def test_exit_code_of_the_script_is_the_exit_code_of_the_job(tmp_path: Path):
     script = tmp_path / "exit3.py"
     script.write_text("import sys\nsys.exit(3)\n")

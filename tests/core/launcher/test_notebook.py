@@ -17,6 +17,9 @@ import pytest
 from slipstream import notebook_launcher
 from tests.distributed import REPO, device_environment, free_port, run_python
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 #: Accelerate's parameters, in its order (accelerate/launchers.py).
 ACCELERATE_PARAMETERS = [
     "function", "args", "num_processes", "mixed_precision", "use_port", "master_addr",

@@ -96,6 +96,7 @@ def test_notebook_launcher_workers_end_with_their_notebook(tmp_path: Path):
     assert _orphans_after_killing(notebook, pids) == []
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_worker_quietly(tmp_path: Path):
     launcher = _launch(
         "--termination_grace_period", "5", JOB, "--project_dir", str(tmp_path), "--park",
@@ -114,6 +115,7 @@ def test_sigterm_to_the_launcher_stops_every_worker_quietly(tmp_path: Path):
         launcher.kill()
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_saves_requeues_and_resumes_bitwise(tmp_path: Path):
     straight = run_cli("launch", "-n", "2", "--cpu", JOB, "--project_dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr
@@ -140,6 +142,7 @@ def test_a_signal_to_one_process_saves_requeues_and_resumes_bitwise(tmp_path: Pa
     assert final and final == [line for line in resumed.stdout.splitlines() if "checksum" in line]
 
 
+@pytest.mark.slow
 def test_sigusr1_to_the_launcher_reaches_the_workers(tmp_path: Path):
     ready = tmp_path / "ready"
     launcher = _launch(
@@ -245,6 +248,7 @@ def _check_epoch(first: dict[str, Any], second: dict[str, Any], split: bool) -> 
         assert abs(F.mse_loss(model(x), y).item() - F.mse_loss(reference(x), y).item()) <= 1e-5
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoints_resume_from_4_on_2_and_from_2_on_4_processes(tmp_path: Path):
     four, two = str(tmp_path / "from4"), str(tmp_path / "from2")
     first = run_distributed(_first_part, four, world_size=4, timeout=300)[0]

@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 
 from slipstream import Accelerator, InitProcessGroupKwargs
@@ -88,6 +89,7 @@ RESTARTING = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_crash_with_max_restarts_resumes_to_identical_weights(tmp_path: Path):
     script = tmp_path / "train.py"
     script.write_text(RESTARTING)

@@ -97,6 +97,7 @@ def test_zero_stages_match_a_single_process_big_batch(stage, accumulation, offlo
         assert r1["max_diff"] is None, "consolidated weights live on the main process"
 
 
+@pytest.mark.slow
 def test_bf16_zero3_trains_like_fp32():
     r0, _ = run_distributed(_parity, 3, "bf16", 1, False, timeout=240)
     assert r0["steps"] == SAMPLES // 4
@@ -138,6 +139,7 @@ def _resume_on_one(folder: str) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_save_state_resumes_identically_and_weights_consolidate(tmp_path):
     folder = str(tmp_path / "ckpt")
     straight = run_distributed(_save_resume, folder, "save", timeout=240)[0]
@@ -171,6 +173,7 @@ def _saved_outputs(folder: str) -> torch.Tensor:
     return model(torch.ones(3, 6)).detach()
 
 
+@pytest.mark.slow
 def test_16bit_consolidated_weights_reproduce_the_engine_outputs(tmp_path):
     engine_outputs = run_distributed(_saved_outputs, str(tmp_path / "w"), timeout=240)[0]
     weights = load_weights(str(tmp_path / "w"))
@@ -349,6 +352,7 @@ def test_zero3_init_never_materialises_the_whole_model():
     assert r0["full"] == 64 * 64 and r0["local"] < r0["full"]
 
 
+@pytest.mark.slow
 def test_one_process_started_by_plain_python():
     code = (
         "import torch\n"

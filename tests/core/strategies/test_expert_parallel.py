@@ -25,6 +25,9 @@ from slipstream import Accelerator, GradientNormMonitor, ParallelismConfig, set_
 from slipstream.checkpoint import load_weights
 from tests.distributed import run_cli, run_distributed
 
+#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 SAMPLES = 32

@@ -161,6 +161,7 @@ def test_save_and_load_round_trip(tmp_path, state_dict_type):
     assert all(torch.equal(consolidated[k], saved["full"][k]) for k in saved["full"])
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_reshards_from_two_processes_to_one(tmp_path):
     folder = str(tmp_path / "ckpt")
     saved = run_distributed(_train_and_save, folder, "SHARDED_STATE_DICT", 2)[0]
@@ -174,6 +175,7 @@ def test_sharded_checkpoint_reshards_from_two_processes_to_one(tmp_path):
     assert all(torch.equal(weights[k], saved["full"][k].to(torch.bfloat16)) for k in weights)
 
 
+@pytest.mark.slow
 def test_merge_weights_errors_on_a_folder_without_shards(tmp_path):
     (tmp_path / "x.txt").write_text("")
     result = run_cli("merge-weights", str(tmp_path), str(tmp_path / "out"))

@@ -237,6 +237,7 @@ def _launch(tmp_path: Path, name: str, config: dict, *script_args: str) -> list[
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(4)]
 
 
+@pytest.mark.slow
 def test_a_megatron_config_file_trains_as_the_same_parallelism_config(tmp_path: Path):
     (tmp_path / "train.py").write_text(SCRIPT)
     started = time.monotonic()

@@ -294,6 +294,7 @@ def _resume(folder: str) -> dict[str, Any]:
 # -- tp2 x dp_shard2 on a plain module with a user plan -------------------------------------
 
 
+@pytest.mark.slow
 def test_tensor_parallel_inside_fsdp_matches_one_process_and_resumes_bitwise(tmp_path):
     folder = str(tmp_path / "ckpt")
     results = run_distributed(
@@ -459,6 +460,7 @@ def test_accumulation_under_tensor_parallelism():
     assert _max_difference(result["full"], reference["full"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_mixed_precision_compile_callbacks_and_trackers_keep_working(tmp_path):
     options = {
         "mixed_precision": "bf16",

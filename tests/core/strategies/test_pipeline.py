@@ -211,6 +211,7 @@ def test_every_schedule_matches_one_process():
 # -- pp2 x dp_shard2 -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pipeline_inside_fsdp_resumes_bitwise_and_loads_into_one_process(tmp_path):
     folder = str(tmp_path / "ckpt")
     results = run_distributed(
@@ -271,6 +272,7 @@ def _three_dimensional() -> dict[str, Any]:
     return {kind: _train("pp2xtp2xdp2", kind, 3) for kind in ("plain", "llama")}
 
 
+@pytest.mark.slow
 def test_three_dimensional_layout_on_eight_processes():
     first = run_distributed(_three_dimensional, world_size=8, timeout=420)[0]
     _check(first["plain"], "plain")
