@@ -4,9 +4,10 @@ inner step and one per interval's end.
 
 Arguments: OUT_DIR STEPS [--method local_sgd|diloco] [--sync-every H] [--fragments F]
 [--delay D] [--momentum M] [--save-at STEP] [--resume] [--die-at STEP] [--until-rejoined]
-[--step-sleep S] [--reference]. With ``--reference`` the same training runs as a
-hand-written loop on torchft's own ``Manager`` and ``torchft.local_sgd`` classes (no
-slipstream), dealing the same samples.
+[--step-sleep S] [--reference LIGHTHOUSE]. With ``--reference`` the process first runs
+the same training as a hand-written loop on torchft's own ``Manager`` and
+``torchft.local_sgd`` classes (no slipstream; the other lighthouse given, so its quorums
+are its own), dealing the same samples, and then the slipstream job.
 """
 
 from __future__ import annotations
@@ -70,13 +71,11 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--until-rejoined", action="store_true")
     parser.add_argument("--step-sleep", type=float, default=0.0)
-    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--reference", default="")
     args = parser.parse_args()
     out = Path(args.out)
     if args.reference:
-        for method in args.method.split(","):
-            reference(args, method, out)
-        return
+        reference(args, out)
     train(args, out)
 
 
@@ -119,8 +118,8 @@ def train(args: argparse.Namespace, out: Path) -> None:
     (out / f"{name}.pid").write_text(str(os.getpid()))
     dies = life == 0 and replica == 1 and args.die_at >= 0
     full = ft.replica_groups
-    missing = False
-    while accelerator.step < args.steps or missing:
+    missing = done = False
+    while not done:  # (an epoch may end inside an interval)
         for x, y in loader:
             started, interval = accelerator.step, ft.current_step()
             index, count = ft.data_coordinates()
@@ -141,7 +140,8 @@ def train(args: argparse.Namespace, out: Path) -> None:
             scheduler.step()
             log.write(json.dumps(record) + "\n")
             discarded = accelerator.optimizer_step_was_skipped
-            if discarded or ft.current_step() > interval:  # the interval ended here
+            ended = discarded or ft.current_step() > interval  # the interval ended here
+            if ended:
                 log.write(json.dumps({"end": interval, "committed": not discarded}) + "\n")
                 missing = not discarded and args.until_rejoined and count < full
             if accelerator.step == args.save_at and not discarded:
@@ -151,7 +151,10 @@ def train(args: argparse.Namespace, out: Path) -> None:
                 time.sleep(60)  # the test kills us here, between two syncs
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            if accelerator.step >= args.steps and not missing:
+            # Every group stops at the same interval's end (a group that rejoined
+            # copied the others' step count).
+            if ended and accelerator.step >= args.steps and not missing:
+                done = True
                 break
     trained = weights(model)
     accelerator.end_training()  # syncs what the groups trained since the last sync
@@ -166,9 +169,9 @@ def train(args: argparse.Namespace, out: Path) -> None:
     log.close()
 
 
-def reference(args: argparse.Namespace, method: str, out: Path) -> None:
+def reference(args: argparse.Namespace, out: Path) -> None:
     """The same training hand-written on torchft (both replica groups always in the quorum:
-    the job runs with --ft_min_replicas 2)."""
+    the lighthouse asks for 2)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -191,7 +194,7 @@ def reference(args: argparse.Namespace, method: str, out: Path) -> None:
         world_size=1,
         store_addr="127.0.0.1",
         store_port=store.port,
-        lighthouse_addr=os.environ["SLIPSTREAM_FT_LIGHTHOUSE"],
+        lighthouse_addr=args.reference,
         replica_id=replica_id,
         hostname="127.0.0.1",
         init_sync=False,  # both groups build the same model from the same seed
@@ -200,7 +203,7 @@ def reference(args: argparse.Namespace, method: str, out: Path) -> None:
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR, momentum=args.momentum)
     scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=10, gamma=0.9)
     manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
-    if method == "local_sgd":
+    if args.method == "local_sgd":
         semi: Any = LocalSGD(manager, model, inner, sync_every=args.sync_every)
     else:
         fragments = fragments_of(model, args.fragments)
@@ -238,7 +241,7 @@ def reference(args: argparse.Namespace, method: str, out: Path) -> None:
             if cursor >= SAMPLES:
                 cursor, epoch, order = 0, epoch + 1, None
             del step
-    with (out / f"reference-{method}-replica{replica}.json").open("w") as log:
+    with (out / f"reference-replica{replica}.json").open("w") as log:
         json.dump({"final": weights(model)}, log)
     manager.shutdown(wait=False)
 
