@@ -16,7 +16,12 @@ A step here is one optimizer step of the whole job:
    all-reduce);
 3. before the optimizer steps, every group votes; the step is applied only if every
    group of the quorum got through it, else it is discarded everywhere (the optimizers,
-   schedulers and step counters do not move, and the data position goes back).
+   schedulers and step counters do not move, and the data position goes back). The vote
+   is cast on the protocol thread as soon as the gradients are averaged (it overlaps
+   whatever runs until the optimizer step asks for it), and the next quorum right after.
+
+In semi-synchronous training (LocalSGD, DiLoCo: semi_sync.py) a step is an interval of
+optimizer steps, and what is averaged at its end is the weights or their change.
 
 A healthy peer hands a rejoining group its state as it is when the peer's next step opens
 (torchft's state-dict lock is held from the vote until then), so a background quorum never
@@ -121,8 +126,10 @@ class FaultTolerance:
         self.last_quorum_seconds = 0.0
         #: A peer's state received by the last quorum, loaded when the step opens.
         self._received: dict[str, Any] | None = None
-        #: Whether the next step's quorum was asked for in the background.
+        #: Whether the next step's quorum was asked for in the background, and whether the
+        #: open step's vote was (before it, as soon as the gradients were averaged).
         self._quorum_asked = False
+        self._voting = False
         self.manager = self._build_manager()
         self._quorum_thread = QuorumThread(self.manager)
         self.gradients = GradientAverager(
@@ -194,13 +201,17 @@ class FaultTolerance:
                 reporting.leave_summary(
                     self.replica_id,
                     self.state.launch.restart_count,
-                    self._step_count(),
+                    self._step_count(int(manager.current_step())),
                     self.steps_committed,
                     self.steps_discarded,
                     self.recoveries,
                     self.stopped_finished,
                     unit="sync" if self.semi_sync is not None else "step",
                 )
+            if self._voting:  # (the vote locks the state first)
+                self._voting = False
+                with contextlib.suppress(Exception):
+                    self._quorum_thread.vote()
             manager.allow_state_dict_read()  # a peer may be copying our state
             if self._quorum_asked:
                 # Let the quorum asked for in the background finish (the other groups asked
@@ -240,12 +251,12 @@ class FaultTolerance:
         survives failures and rejoins (syncs, in semi-synchronous training)."""
         return int(self.manager.current_step()) if self.manager is not None else 0
 
-    def _step_count(self) -> int:
+    def _step_count(self, committed: int | None = None) -> int:
         """The step the lines say: the optimizer's (inner) steps in semi-synchronous
-        training, else the job's committed steps."""
+        training, else the job's committed steps (``committed``, else the manager's)."""
         if self.semi_sync is not None and self.step_state is not None:
             return int(self.step_state.optimizer_steps)
-        return self.current_step()
+        return self.current_step() if committed is None else committed
 
     # -- the step ---------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -352,6 +363,10 @@ class FaultTolerance:
             return
         self.begin_step()
         self.gradients.finish()
+        # The vote, then the next quorum, on the protocol thread: the vote overlaps what
+        # runs until the optimizer step asks for it (should_commit).
+        self._quorum_thread.ask(vote_first=True)
+        self._quorum_asked = self._voting = True
 
     def should_commit(self) -> bool:
         """Every group's vote on the open step (asked once per step; later calls repeat
@@ -365,7 +380,12 @@ class FaultTolerance:
 
     def vote(self) -> bool:
         """Every group's vote on the open step; closes it (and asks for the next quorum)."""
-        commit = bool(self.manager.should_commit())
+        if self._voting:  # asked for on the protocol thread, the next quorum after it
+            self._voting = False
+            commit = self._quorum_thread.vote()
+        else:
+            commit = bool(self.manager.should_commit())
+            self._ask_next_quorum()
         self._commit = commit
         self.step_open = False
         for loader in self.loaders:
@@ -374,7 +394,6 @@ class FaultTolerance:
             self.steps_committed += 1
         else:
             self.steps_discarded += 1
-        self._ask_next_quorum()
         return commit
 
     def after_inner_step(self) -> None:
@@ -406,48 +425,14 @@ class FaultTolerance:
 
     # -- what a rejoining group copies ------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        steps = self.step_state.optimizer_steps if self.step_state is not None else 0
-        return {
-            "models": [recovery.model_state(m) for m in self.models],
-            "optimizers": [recovery.optimizer_state(o.optimizer) for o in self.optimizers],
-            "schedulers": [s.state_dict() for s in self.schedulers],
-            "loaders": [loader.position() for loader in self.loaders],
-            "rng": recovery.rng_state(),
-            "optimizer_steps": steps,
-            "replica_id": self.replica_id,
-            "semi_sync": self.semi_sync.state_dict() if self.semi_sync is not None else None,
-        }
+        return recovery.group_state(self)
 
     def _receive_state(self, state: dict[str, Any]) -> None:
         # Called by the quorum (maybe in the background): loaded when the step opens.
         self._received = state
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        counts = {
-            "models": len(self.models),
-            "optimizers": len(self.optimizers),
-            "schedulers": len(self.schedulers),
-            "loaders": len(self.loaders),
-        }
-        for key, count in counts.items():
-            if len(state[key]) != count:
-                raise RuntimeError(
-                    f"fault tolerance: the healthy peer prepared {len(state[key])} {key}, this "
-                    f"group {count}: every replica group must run the same script"
-                )
-        for model, model_state in zip(self.models, state["models"], strict=True):
-            recovery.load_model_state(model, model_state)
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
-            recovery.load_optimizer_state(optimizer.optimizer, optimizer_state)
-        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
-            scheduler.load_state_dict(scheduler_state)
-        for loader, position in zip(self.loaders, state["loaders"], strict=True):
-            loader.load_position(position)
-        recovery.load_rng_state(state["rng"])
-        if self.step_state is not None:
-            self.step_state.optimizer_steps = int(state["optimizer_steps"])
-        if self.semi_sync is not None:
-            self.semi_sync.load_state_dict(state["semi_sync"], step=False)
+        recovery.load_group_state(self, state)
 
 
 class FaultToleranceHooks(Callback):
