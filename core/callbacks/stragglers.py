@@ -69,6 +69,7 @@ class StragglerMonitor(Callback):
         self.stragglers: list[int] = []
         self.last_table: list[tuple[float, float, float]] = []
         self._last_end: float | None = None
+        PROGRESS.time_backward = True  # accelerator.backward times itself from now on
         self._backward_mark = PROGRESS.backward_seconds
         self._data = 0.0
         self._sums = [0.0, 0.0, 0.0]
