@@ -1,6 +1,6 @@
 """Per-step time of a prepared DDP training loop versus the same loop written by hand.
 
-Runs on 2 CPU processes (torchrun). Every variant trains the same model on the same global
+Runs on 2 CPU processes. Every variant trains the same model on the same global
 batches. They take turns in one process: in each round every variant (in a rotating order)
 runs one untimed warm-up step and then a few timed steps, each timed on its own. The
 hand-written loop runs as two identical copies; a step is compared with each copy's step at
@@ -111,7 +111,7 @@ class Slipstream(HandWritten):
         return Accelerator
 
     def __init__(self, width: int, layers: int, steps: int) -> None:
-        # cpu=True: without it Accelerate under torchrun on a machine with no GPU silently
+        # cpu=True: without it Accelerate on a machine with no GPU silently
         # trains each process alone (DistributedType.NO, no gradient all-reduce).
         self.accelerator = self.accelerator_class()(cpu=True)
         model = _model(width, layers)
@@ -150,7 +150,7 @@ class Fabric(Slipstream):
         self.fabric = LightningFabric(
             accelerator="cpu", devices=dist.get_world_size(), strategy="ddp"
         )
-        self.fabric._launched = True  # the processes exist already (torchrun)
+        self.fabric._launched = True  # the processes exist already (started by workers.py)
         model = _model(width, layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.model, self.optimizer = self.fabric.setup(model, optimizer)

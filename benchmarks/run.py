@@ -25,6 +25,7 @@ SCRIPTS = [
     "pp_bubble.py",
     "ep_overhead.py",
     "fault_tolerance.py",
+    "trainer_overhead.py",
     "startup.py",
     "gather_metrics.py",
     "checkpoint_io.py",
@@ -32,6 +33,7 @@ SCRIPTS = [
     "tp_memory.py",
     "pp_memory.py",
     "ep_memory.py",
+    "plan_accuracy.py",
     "sharded_save.py",
     "stream_reads.py",
     "big_model.py",
@@ -47,6 +49,8 @@ TARGETS = [
     # torchft's quorum and commit vote cost a fixed ~2 ms a step: within the A/A noise on a
     # ~50 ms step, not on a 4 ms one (the tiny line has no target).
     ("fault_tolerance.py", r"^medium fault-tolerant", 1.05),
+    # transformers' Trainer: at least as many steps per second on slipstream as on Accelerate.
+    ("trainer_overhead.py", r"Trainer on slipstream", 1.0),
     ("startup.py", r"import torch, slipstream", 1.05),
     ("startup.py", r"from slipstream import Accelerator", 1.05),
     ("startup.py", r"slipstream --help", 1.05),
@@ -67,6 +71,10 @@ TARGETS = [
     ("ep_memory.py", r"\bep2 vs fsdp2 .* gathered", 0.55),
     ("ep_memory.py", r"\bep2xdp2 vs fsdp4 .* gathered", 0.55),
     ("ep_memory.py", r"\bep4 vs fsdp4 .* gathered", 0.30),
+    # slipstream plan: every predicted peak within 15% of the measured one; after calibration
+    # the layout predicted fastest measured within 10% of the fastest.
+    ("plan_accuracy.py", r"largest memory error", 1.15),
+    ("plan_accuracy.py", r"predicted fastest after calibration", 1.10),
     ("sharded_save.py", r"sharded vs full", 1.0),
     # Streams read in parts, or by the main process alone: each sample read once in total.
     ("stream_reads.py", r"^sharded", 1.0),

@@ -2,7 +2,7 @@
 
 A worker prints each report as one ``BENCH {json}`` line (from one process only: two
 processes printing at once can interleave their lines); :func:`run_workers` starts the
-script under torchrun and returns the parsed reports. The overhead scripts time their variants
+script on local processes and returns the parsed reports. The overhead scripts time their variants
 with :func:`run_generations` and :func:`time_rounds` and report :func:`paired_statistics`
 (built on :func:`median_ratio` and :func:`median_ratio_interval`).
 """
@@ -13,9 +13,12 @@ import argparse
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -34,19 +37,63 @@ def run_workers(
 
     Exits with the workers' stderr when they reported nothing.
     """
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-               str(processes), "--standalone", script, *arguments]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    done = subprocess.run(command, capture_output=True, text=True, env=environment)
+    stdout, stderr = _launch([sys.executable, script, *arguments], processes, env or {})
     reports = [
-        json.loads(line[len(_PREFIX) :])
-        for line in done.stdout.splitlines()
-        if line.startswith(_PREFIX)
+        json.loads(line[len(_PREFIX) :]) for line in stdout.splitlines() if line.startswith(_PREFIX)
     ]
     if not reports:
         name = os.path.basename(script)
-        raise SystemExit(f"{name} {' '.join(arguments)} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{name} {' '.join(arguments)} failed:\n{stderr[-3000:]}")
     return reports
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(command: list[str], processes: int, env: dict[str, str]) -> tuple[str, str]:
+    """Start ``processes`` ranks of ``command`` with the variables torchrun would set (no
+    agent process: the variants compared are the training steps, not the launcher — see
+    startup.py for that); when one rank fails, stop the others. Returns stdout (every
+    rank's) and stderr."""
+    port = str(_free_port())
+    ranks = []
+    with tempfile.TemporaryDirectory() as folder:
+        for rank in range(processes):
+            variables = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(processes),
+                "LOCAL_WORLD_SIZE": str(processes),
+                **env,
+            }
+            out = open(os.path.join(folder, f"{rank}.out"), "w+")  # noqa: SIM115
+            err = open(os.path.join(folder, f"{rank}.err"), "w+")  # noqa: SIM115
+            ranks.append(
+                (subprocess.Popen(command, stdout=out, stderr=err, env=variables), out, err)
+            )
+        while any([p.poll() is None for p, _, _ in ranks]):  # a list: poll every rank
+            if any(p.returncode not in (None, 0) for p, _, _ in ranks):
+                for p, _, _ in ranks:
+                    if p.poll() is None:
+                        p.kill()
+                break
+            time.sleep(0.05)
+        texts = []
+        for p, out, err in ranks:
+            p.wait()
+            out.seek(0)
+            err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close()
+            err.close()
+    return "".join(o for o, _ in texts), "".join(e for _, e in texts)
 
 
 def median_ratio(values: list[float], bases: list[list[float]]) -> float:

@@ -1,16 +1,57 @@
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from slipstream.runtime.state import set_current_state
-from tests.distributed import REPO, s3_server
+from tests.distributed import s3_server
 
 # DeepSpeed JIT-compiles a small communication op on CPU the first time (about a minute);
-# keep the build between test runs.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+# keep the build between test runs and between clones (torch rebuilds it when its sources or
+# flags change).
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        / "slipstream"
+        / "torch_extensions"
+    ),
+)
+_deepspeed_build: subprocess.Popen[bytes] | None = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build DeepSpeed's CPU communication op in the background while the first tests run,
+    when the chosen tests use DeepSpeed and the build is not cached: the first DeepSpeed test
+    would otherwise spend its timeout compiling."""
+    global _deepspeed_build
+    built = (
+        Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    )
+    if built.exists() or importlib.util.find_spec("deepspeed") is None:
+        return
+    files = {item.path for item in session.items}
+    if not any("deepspeed" in path.read_text(errors="ignore").lower() for path in files):
+        return
+    _deepspeed_build = subprocess.Popen(
+        [sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Never leave the build half done: its lock file would stall the next build.
+    if _deepspeed_build is not None:
+        _deepspeed_build.wait()
+
 
 # The suite is written for the CPU (its tensors, tolerances and gloo process groups): on a
 # GPU machine it hides the GPUs, so the whole suite runs there too. SLIPSTREAM_TEST_CUDA=1

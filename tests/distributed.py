@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
@@ -30,6 +31,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from tests.warm_workers import WarmPool
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT = 120.0
@@ -96,6 +99,72 @@ def _child(
     os._exit(0)
 
 
+def _rank_environment(
+    rank: int, world_size: int, port: str, env: dict[str, str] | None
+) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+        **device_environment(env),
+        **(env or {}),
+    }
+
+
+#: Variables a process reads when it starts (or when torch, fsspec, ... are imported): a call
+#: that changes one of them from what the warm workers started with gets fresh processes.
+PROCESS_START_PREFIXES = (
+    "CUDA_",
+    "OMP_",
+    "MKL_",
+    "PYTHON",
+    "LD_",
+    "TORCH_",
+    "FSSPEC_",
+    "GLOO_",
+    "NCCL_",
+)
+#: Set to 1 to give every call brand-new interpreters (to tell a warm-worker problem apart).
+FRESH_VARIABLE = "SLIPSTREAM_TEST_FRESH"
+_pools: dict[int, WarmPool] = {}
+
+
+def _process_start_variables(variables: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in variables.items() if k.startswith(PROCESS_START_PREFIXES)}
+
+
+def _warm_pool(world_size: int, environments: list[dict[str, str]]) -> WarmPool | None:
+    """The warm workers for ``world_size`` ranks, or None where the call's environment
+    changes what a process reads at start-up from what they started with."""
+    pool = _pools.get(world_size)
+    if pool is not None and not pool.alive():
+        pool.close()
+        pool = None
+    if pool is None:
+        # Started with this test process's own environment (not the call's ``env``).
+        pool = _pools[world_size] = WarmPool(
+            world_size,
+            lambda rank: _process_start_variables(
+                {**os.environ, **_rank_environment(rank, world_size, "0", None)}
+            ),
+        )
+    for started, wanted in zip(pool.started_with, environments, strict=True):
+        if started != _process_start_variables(wanted):
+            return None
+    return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
 def run_distributed(
     fn: Callable[..., Any],
     *args: Any,
@@ -103,33 +172,50 @@ def run_distributed(
     timeout: float = DEFAULT_TIMEOUT,
     env: dict[str, str] | None = None,
     kwargs: dict[str, Any] | None = None,
+    fresh: bool = False,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes forming one gloo group.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` processes forming one gloo group.
 
     Returns the per-rank return values (index = rank). The first failing rank's traceback
     fails the test at once (the other ranks are stopped); so does the timeout. The processes
     see no GPU unless ``env`` sets ``CUDA_VISIBLE_DEVICES`` (then one GPU per rank, NCCL).
+
+    Each rank's process is forked from a warm worker that already imported torch, slipstream
+    and the test module (tests/warm_workers.py): a fresh process for the body, without the
+    start-up. ``fresh=True`` starts brand-new interpreters instead — for tests about
+    processes themselves; a call whose ``env`` changes what a process reads at start-up
+    (``CUDA_VISIBLE_DEVICES``, ``OMP_*``, ``TORCH_*``, ...) gets them too.
     """
+    port = str(free_port())
+    environments = [
+        {**os.environ, **_rank_environment(rank, world_size, port, env)}
+        for rank in range(world_size)
+    ]
+    fresh = fresh or os.environ.get(FRESH_VARIABLE) == "1"
+    pool = None if fresh else _warm_pool(world_size, environments)
+    if pool is not None:
+        return pool.run(fn, args, kwargs or {}, environments, timeout)
+    return _run_fresh(fn, args, kwargs or {}, world_size, timeout, port, env)
+
+
+def _run_fresh(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    world_size: int,
+    timeout: float,
+    port: str,
+    env: dict[str, str] | None,
+) -> list[Any]:
+    """:func:`run_distributed` on brand-new interpreters (spawned)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     release = context.Event()  # set once every result is in: the processes may end
-    port = str(free_port())
     processes = []
     for rank in range(world_size):
-        variables = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
-            **device_environment(env),
-            **(env or {}),
-        }
-        with _environment(variables):
+        with _environment(_rank_environment(rank, world_size, port, env)):
             process = context.Process(
-                target=_child, args=(fn, args, kwargs or {}, rank, results, release), daemon=True
+                target=_child, args=(fn, args, kwargs, rank, results, release), daemon=True
             )
             process.start()
         processes.append(process)

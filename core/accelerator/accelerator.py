@@ -1,8 +1,7 @@
 """The Accelerator: the four-line front door to slipstream.
 
-It is a facade. The process state knows who we are, the strategy wraps models for the
-parallelism in use, the precision object runs autocast and loss scaling, the data package
-shards loaders and the collectives module moves tensors between processes.
+A facade: the process state knows who we are, the strategy wraps models, the precision
+object runs autocast and loss scaling, the data package shards loaders, collectives move data.
 
 Example::
 
@@ -39,19 +38,18 @@ from ..options.kwargs import (
     KwargsHandler,
     ProfileKwargs,
     ProjectConfiguration,
-    TorchDynamoPlugin,
 )
 from ..parallel.api import ParallelMixin
-from ..precision import Precision, canonical_mode, make_precision, restore_forward
+from ..precision import Precision, canonical_mode, make_precision
 from ..runtime import collectives
 from ..runtime.preemption import DEFAULT_SIGNALS, PreemptionHandler
 from ..runtime.process_control import ProcessControl
 from ..runtime.state import DistributedType, join_or_build_state, shared_state_generation
 from ..runtime.tree import map_tensors, tensor_leaves
 from ..strategies import available_strategies, get_strategy_class
-from ..tracking import GeneralTracker, resolve_log_with
+from ..tracking import GeneralTracker, check_logging_directories, resolve_log_with
 from ..tracking.api import TrackingMixin
-from . import megatron
+from . import adopt, megatron
 from .assembly import (
     STRATEGY_FOR_TYPE,
     build_dynamo_plugin,
@@ -61,6 +59,7 @@ from .assembly import (
     xla_strategy_name,
 )
 from .checkpointing import CheckpointingMixin
+from .compile import TorchDynamoPlugin
 from .preparation import PreparationMixin
 from .profiling import ProfilingMixin
 from .run_info import RunInfoMixin
@@ -176,13 +175,19 @@ class Accelerator(
         fault_tolerance: FaultToleranceKwargs | None = None,
     ) -> None:
         warn_about_rng_types(rng_types)
-        handlers = {type(h): h for h in kwargs_handlers or ()}
-        for handler in kwargs_handlers or ():
-            if not isinstance(handler, KwargsHandler):
-                raise TypeError(
-                    f"kwargs_handlers takes option objects such as DistributedDataParallelKwargs; "
-                    f"got {type(handler).__name__}"
-                )
+        # Accelerate's option objects (transformers' Trainer passes them) become slipstream's.
+        handlers = {type(h): h for h in adopt.kwargs_handlers(kwargs_handlers)}
+        dataloader_config = adopt.dataloader_config(dataloader_config)
+        gradient_accumulation_plugin = adopt.accumulation_plugin(gradient_accumulation_plugin)
+        dynamo_plugin, project_config = (
+            adopt.dynamo_plugin(dynamo_plugin),
+            adopt.project_config(project_config),
+        )
+        fsdp_plugin, deepspeed_plugin = (
+            adopt.fsdp_plugin(fsdp_plugin),
+            adopt.deepspeed_plugin(deepspeed_plugin),
+        )
+        parallelism_config = adopt.parallelism_config(parallelism_config)
         init_kwargs = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs())
         self.state = join_or_build_state(cpu, debug=debug, **vars(init_kwargs))
         self.state_generation = shared_state_generation()  # see AcceleratorState._reset_state
@@ -246,6 +251,10 @@ class Accelerator(
         self.strategy.step_state = self.step_state
         megatron.configure_strategy(self.strategy, self.megatron_lm_plugin)
         self.state.distributed_type = self.strategy.distributed_type  # what scripts read
+        self.state.fsdp_plugin, self.state.deepspeed_plugin = (
+            self.fsdp_plugin,
+            self.deepspeed_plugin,
+        )
         if self.step_state.sync_each_batch and self.strategy.name == "deepspeed":
             raise ValueError(
                 "GradientAccumulationPlugin(sync_each_batch=True) does not apply to DeepSpeed: "
@@ -265,6 +274,7 @@ class Accelerator(
         self.trackers: list[GeneralTracker] = []
         self.active_loaders = ActiveLoaders()
         self.active_loaders.on_pass_end = self._dataloader_pass_ended  # a method: pickles
+        self.active_loaders.gradient_state = self._current_gradient_state
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -272,6 +282,7 @@ class Accelerator(
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
+        check_logging_directories(self.log_with, self.project_configuration.logging_dir)
         self._custom_objects: list[Any] = []
         self._save_hooks: dict[int, SaveHook] = {}
         self._load_hooks: dict[int, LoadHook] = {}
@@ -369,10 +380,18 @@ class Accelerator(
     def gradient_accumulation_steps(self) -> int:
         return self.step_state.gradient_accumulation_steps
 
-    @property
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.step_state.set_accumulation(steps)
+
+    @property  # settable too, as Accelerate's
     def sync_gradients(self) -> bool:
         """True when the current micro-step synchronises gradients and steps the optimizer."""
         return self.step_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.step_state.sync_gradients = bool(value)
 
     @property
     def step(self) -> int:
@@ -389,15 +408,6 @@ class Accelerator(
         return self.precision.scaler
 
     # -- models -------------------------------------------------------------------------------
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
-        """The user's module without the strategy's (and torch.compile's) wrappers."""
-        inner = getattr(model, "_orig_mod", model)
-        inner = self.strategy.unwrap_model(inner)
-        inner = getattr(inner, "_orig_mod", inner)
-        if not keep_fp32_wrapper:
-            restore_forward(inner)
-        return inner
-
     def get_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full state dict of a prepared model (collective for sharded strategies)."""
         return self.strategy.model_state_dict(model)
@@ -431,8 +441,11 @@ class Accelerator(
             gathered = collectives.gather_uneven(input_data, state=state)
         else:
             gathered = collectives.gather(input_data, state=state)
+        # The final global batch's real samples: the rest repeat samples to even out
+        # processes, or (one process) rows a loop padded to the batch size, as Trainer's
+        # `loss.repeat(batch_size)` does (Accelerate cuts both to gradient_state.remainder).
         real = loader.final_real_samples if loader is not None else None
-        if real is None or state.num_processes == 1:
+        if real is None:
             return gathered
         if isinstance(gathered, list) and (use_gather_object or not has_tensors):
             return gathered[:real]

@@ -15,11 +15,10 @@ from ..options.kwargs import (
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     KwargsHandler,
-    TorchDynamoPlugin,
 )
 from ..runtime.state import ProcessState
 from ..strategies import Strategy, available_strategies, get_strategy_class
-from .compile import check_backend, normalise_backend
+from .compile import TorchDynamoPlugin, check_backend, normalise_backend
 
 if TYPE_CHECKING:
     from ..parallel.config import ParallelismConfig
@@ -101,6 +100,8 @@ def build_dynamo_plugin(
     backend: str | None, plugin: TorchDynamoPlugin | None, launch: dict[str, Any]
 ) -> TorchDynamoPlugin:
     """``torch.compile`` settings: the argument, else the launcher's ``dynamo_config``."""
+    if plugin is None and not launch.get("dynamo_config"):
+        plugin = TorchDynamoPlugin()  # accelerate launch's settings, if it started us
     if plugin is None:
         dynamo = launch.get("dynamo_config") or {}
         plugin = TorchDynamoPlugin(

@@ -169,17 +169,17 @@ class CheckpointingMixin:
         """Include ``objects`` (anything with ``state_dict``/``load_state_dict``) in
         :meth:`save_state` and :meth:`load_state`, in registration order."""
         invalid = [
-            f"argument {i} ({type(o).__name__})"
+            f"Item at index {i} ({type(o).__name__})"
             for i, o in enumerate(objects)
             if not (
                 callable(getattr(o, "state_dict", None))
                 and callable(getattr(o, "load_state_dict", None))
             )
         ]
-        if invalid:
-            raise TypeError(
+        if invalid:  # a ValueError, as Accelerate raises
+            raise ValueError(
                 "register_for_checkpointing needs objects with state_dict() and "
-                f"load_state_dict(); not: {', '.join(invalid)}"
+                f"load_state_dict(); these have not: {', '.join(invalid)}"
             )
         self._custom_objects.extend(objects)
 

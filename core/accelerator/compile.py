@@ -13,11 +13,56 @@ Example::
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, cast
 
 from torch import nn
 
-from ..options.kwargs import TorchDynamoPlugin
+from ..options.kwargs import KwargsHandler
+from ..runtime.env import dynamo_environment, str_to_bool
+
+#: The settings of a plugin made without arguments outside any launcher.
+_DEFAULTS: dict[str, Any] = {
+    "backend": "no",
+    "mode": None,
+    "fullgraph": False,
+    "dynamic": None,
+    "options": None,
+}
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """``torch.compile`` settings: ``backend`` ("inductor", "aot_eager", ... or "no"),
+    ``mode``, ``fullgraph``, ``dynamic`` and backend ``options``. Settings not given come
+    from ``accelerate launch``'s variables (``ACCELERATE_DYNAMO_BACKEND``, ``_MODE``,
+    ``_USE_FULLGRAPH``, ``_USE_DYNAMIC``) when set.
+
+    Example::
+
+        Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode="max-autotune"))
+    """
+
+    backend: str | None = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        launcher = dynamo_environment()
+        if self.backend is None:
+            self.backend = launcher.get("backend", _DEFAULTS["backend"]).lower()
+        if self.mode is None:
+            self.mode = launcher.get("mode") or None
+        if self.fullgraph is None:
+            self.fullgraph = bool(str_to_bool(launcher.get("use_fullgraph", "false"), True))
+        if self.dynamic is None and launcher.get("use_dynamic"):
+            self.dynamic = bool(str_to_bool(launcher["use_dynamic"], True))
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The settings that differ from a plugin's defaults outside any launcher."""
+        return {k: getattr(self, k) for k, v in _DEFAULTS.items() if getattr(self, k) != v}
 
 
 class CompileError(RuntimeError):

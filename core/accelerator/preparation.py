@@ -17,12 +17,12 @@ from ..extensions import find_preparer
 from ..optim.optimizer import AcceleratedOptimizer, StepCoordinator
 from ..optim.scheduler import AcceleratedScheduler
 from ..optim.step import StepState
-from ..options.kwargs import DataLoaderConfiguration, TorchDynamoPlugin
-from ..precision import Precision
+from ..options.kwargs import DataLoaderConfiguration
+from ..precision import Precision, restore_forward
 from ..runtime.state import ProcessState
 from ..strategies import Strategy
-from .compile import compile_model
-from .shared_state import refuse_if_reset
+from .compile import TorchDynamoPlugin, compile_model
+from .shared_state import GradientState, refuse_if_reset
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -128,6 +128,10 @@ class PreparationMixin:
         ]
         if model_slots or optimizer_slots:
             models = [args[i] for i in model_slots]
+            from ..big_modeling.offloaded_models import refuse_offloaded_quantized
+
+            for model in models:
+                refuse_offloaded_quantized(model)
             if self.strategy_autocasts:
                 models = [self.precision.convert_model(m) for m in models]
             context: dict[str, Any] = {}
@@ -188,12 +192,21 @@ class PreparationMixin:
             if not any(obj is scheduler for scheduler in self._schedulers):
                 self._schedulers.append(obj)
             return True
+        if isinstance(obj, nn.Module) and getattr(obj, "_slipstream_evaluation_only", False):
+            # Prepared for evaluation only (no data-parallel wrapper): training wraps it now.
+            self._models[:] = [model for model in self._models if model is not obj]
+            delattr(obj, "_slipstream_evaluation_only")
+            return False
         if isinstance(obj, nn.Module) and (
             getattr(obj, "_is_accelerate_prepared", False) is True
             or any(obj is model for model in self._models)
         ):
             if not any(obj is model for model in self._models):
                 self._models.append(obj)
+            # Optimizers prepared later find their model (after free_memory() too, as
+            # transformers' Trainer calls it between evaluating and training).
+            if not any(obj is model for model in self.strategy.prepared_models):
+                self.strategy.prepared_models.append(obj)
             return True
         return False
 
@@ -241,10 +254,65 @@ class PreparationMixin:
                     "call) so the scheduler steps with it"
                 )
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
-        """Prepare one model (see :meth:`prepare`)."""
+    def prepare_model(
+        self,
+        model: nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> nn.Module:
+        """Prepare one model (see :meth:`prepare`).
+
+        ``evaluation_mode=True`` (Accelerate's, for a model that only runs inference) places
+        the model, sets up mixed precision and ``torch.compile`` but adds no data-parallel
+        wrapper; models whose parameters a strategy shards or splits (FSDP2, DeepSpeed,
+        tensor/pipeline parallelism) are prepared in full, as they cannot run otherwise. A
+        model prepared for evaluation is wrapped for training by a later :meth:`prepare`.
+
+        Example::
+
+            model = accelerator.prepare_model(model, evaluation_mode=True)
+        """
         placement = self.device_placement if device_placement is None else device_placement
+        if evaluation_mode and self.strategy.name in ("single", "ddp"):
+            return self._prepare_for_evaluation(model, placement)
         return self.prepare(model, device_placement=[placement])
+
+    def _prepare_for_evaluation(self, model: nn.Module, placement: bool) -> nn.Module:
+        refuse_if_reset(self.state_generation)
+        if self._adopt_prepared(model):
+            return model
+        if self.strategy_autocasts:
+            model = self.precision.convert_model(model)
+        if placement:
+            model = model.to(self.state.device)
+        if self.dynamo_plugin.backend != "no":
+            model = compile_model(model, self.dynamo_plugin)
+        setattr(model, "_slipstream_evaluation_only", True)  # noqa: B010
+        self._models.append(model)
+        return model
+
+    def unwrap_model(
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = False
+    ) -> nn.Module:
+        """The user's module without the strategy's (and torch.compile's) wrappers.
+
+        ``keep_torch_compile=True`` returns the compiled module when ``torch.compile``
+        wrapped the user's module itself (no strategy wrapper between); a compiled wrapper
+        around DDP is never rewired (Accelerate swaps its ``_orig_mod``): a new
+        ``torch.compile`` wrapper of the user's module comes back instead. (Accelerate keeps
+        the compiled module by default.)
+        """
+        inner = getattr(model, "_orig_mod", model)
+        inner = self.strategy.unwrap_model(inner)
+        while isinstance(inner, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            inner = inner.module
+        inner = getattr(inner, "_orig_mod", inner)
+        if not keep_fp32_wrapper:
+            restore_forward(inner)
+        if keep_torch_compile and getattr(model, "_orig_mod", None) is inner:
+            return model
+        keep = keep_torch_compile and hasattr(model, "_orig_mod")
+        return torch.compile(inner) if keep else inner  # type: ignore[return-value]
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         """Prepare one optimizer (see :meth:`prepare`)."""
@@ -317,6 +385,10 @@ class PreparationMixin:
         """A prepared loader finished a whole pass: the callbacks' hook. (A method, not a
         lambda, so an Accelerator holding prepared loaders pickles.)"""
         self.callbacks.call("on_dataloader_epoch_end", self, loader)
+
+    def _current_gradient_state(self) -> GradientState:
+        """A prepared loader's ``gradient_state`` (Accelerate's loaders have one)."""
+        return self.gradient_state  # type: ignore[attr-defined]
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap an LR scheduler so it steps with its prepared optimizer (one prepared before

@@ -23,7 +23,12 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..runtime.partial_state import PartialState, SharedStateView
-from ..runtime.state import has_current_state, reset_shared_state, shared_state_generation
+from ..runtime.state import (
+    current_state,
+    has_current_state,
+    reset_shared_state,
+    shared_state_generation,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -131,6 +136,16 @@ class AcceleratorState(PartialState):
     def use_fp16(self) -> bool:
         return self.mixed_precision != "no"
 
+    @property
+    def fsdp_plugin(self) -> Any:
+        """The FSDP2 options of the Accelerator in use (``None`` unless sharding with FSDP2)."""
+        return current_state().fsdp_plugin if has_current_state() else None
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """The DeepSpeed options of the Accelerator in use (``None`` unless DeepSpeed)."""
+        return current_state().deepspeed_plugin if has_current_state() else None
+
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:
         """Start over: Accelerators made before refuse to prepare more objects; with
@@ -199,8 +214,31 @@ class GradientState:
         return self._plugin.adjust_scheduler if self._plugin is not None else True
 
     @property
+    def sync_each_batch(self) -> bool:
+        accelerator = self._source()
+        if accelerator is None:
+            return bool(self._plugin.sync_each_batch) if self._plugin is not None else False
+        return accelerator.step_state.sync_each_batch
+
+    @property
     def plugin_kwargs(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "sync_with_dataloader": self.sync_with_dataloader}
+        """The accumulation settings as Accelerate's plugin holds them (the Trainer reads
+        ``sync_each_batch`` here)."""
+        return {
+            "num_steps": self.num_steps,
+            "adjust_scheduler": self.adjust_scheduler,
+            "sync_with_dataloader": self.sync_with_dataloader,
+            "sync_each_batch": self.sync_each_batch,
+        }
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Say whether the coming micro-step synchronises gradients and steps the optimizer,
+        for loops that accumulate by themselves instead of with ``accumulate()`` (as
+        ``transformers.Trainer`` does)."""
+        accelerator = self._source()
+        if accelerator is None:
+            raise RuntimeError("_set_sync_gradients needs an Accelerator: create one first")
+        accelerator.step_state.sync_gradients = bool(sync_gradients)
 
     @property
     def active_dataloader(self) -> Any:

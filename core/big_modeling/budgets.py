@@ -46,10 +46,11 @@ def _mps_available() -> bool:
     return bool(mps is not None and mps.is_available())
 
 
-def normalize_device(device: DeviceLike, where: str = "device") -> Device:
+def normalize_device(device: DeviceLike, where: str = "device", must_exist: bool = True) -> Device:
     """``0`` for ``0``, ``"cuda:0"`` or ``torch.device("cuda", 0)``; ``"cpu"``, ``"mps"``
-    and ``"disk"`` as they are. Raises :class:`DeviceMapError` naming ``where`` for a device
-    this machine does not have."""
+    and ``"disk"`` as they are. Raises :class:`DeviceMapError` naming ``where`` for what is
+    no device, or (``must_exist``: weights go there now) one this machine does not have;
+    plans for another machine pass ``must_exist=False``."""
     normalised: Device | None = None
     if isinstance(device, bool):
         normalised = None
@@ -66,6 +67,8 @@ def normalize_device(device: DeviceLike, where: str = "device") -> Device:
         elif text.isdecimal():
             normalised = int(text)
     present = available_devices()
+    if normalised is not None and not must_exist:
+        return normalised
     if normalised is None or normalised not in present:
         gpus = torch.cuda.device_count()
         have = f"GPUs 0..{gpus - 1}" if gpus else "no GPU"
@@ -133,7 +136,8 @@ def get_max_memory(
         )
     budgets: dict[Device, int] = {}
     for key, value in max_memory.items():
-        device = normalize_device(key, f"max_memory key {key!r}")
+        # Budgets may describe another machine (a plan made here for a GPU server).
+        device = normalize_device(key, f"max_memory key {key!r}", must_exist=False)
         try:
             size = parse_size(value) if isinstance(value, (int, str)) else int(value)
         except (ValueError, TypeError):

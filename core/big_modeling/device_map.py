@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -194,13 +195,15 @@ def infer_auto_device_map(
     the disk) the execution device keeps room for the largest block; a budget too small
     for that block is a :class:`DeviceMapError` naming it.
 
+    Buffers of offloaded modules stay on the execution device: a warning says when they do
+    not fit there (``offload_buffers=True`` loads them with their module instead).
+
     Example::
 
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config)
         infer_auto_device_map(model, max_memory={0: "10GiB", "cpu": "30GiB"})
     """
-    del offload_buffers  # buffers stay on the execution device; accepted for Accelerate
     budgets = get_max_memory(max_memory)
     resolved = resolve_dtype(dtype)
     special = {k: resolve_dtype(v) for k, v in (special_dtypes or {}).items()}
@@ -212,7 +215,31 @@ def infer_auto_device_map(
         # Something runs from elsewhere: plan again keeping room to bring its largest block in.
         plan = planner.run(reserve=True)
         _check_room_for_blocks(planner, plan)
+        if not offload_buffers:
+            _check_room_for_buffers(planner, plan)
     return clean_device_map(model, plan) if clean_result else plan
+
+
+def _check_room_for_buffers(planner: _Planner, plan: dict[str, Device]) -> None:
+    """Offloaded modules keep their buffers on the execution device (unless
+    ``offload_buffers``): warn when those cannot fit next to what is placed there."""
+    main = planner.main
+    if main not in planner.budgets:
+        return
+    here = sum(planner.size(_unit(planner.model, n)) for n, d in plan.items() if d == main)
+    buffers = 0
+    for name in planner.offloaded(plan):
+        unit = _unit(planner.model, name)[1]
+        if isinstance(unit, nn.Module):
+            buffers += sum(planner.size_of.get(id(b), 0) for b in unit.buffers())
+    if here + buffers > planner.budgets[main]:
+        warnings.warn(
+            f"the buffers of the offloaded modules ({describe_bytes(buffers)}) stay on "
+            f"{main!r} when they run, and do not fit in {describe_budget(main, planner.budgets[main])} "
+            f"next to the {describe_bytes(here)} placed there; pass offload_buffers=True (they "
+            f"are then loaded with their module) or raise max_memory[{main!r}]",
+            stacklevel=3,
+        )
 
 
 def _check_room_for_blocks(planner: _Planner, plan: dict[str, Device]) -> None:
@@ -262,9 +289,13 @@ def clean_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> dict
     return plan
 
 
-def check_device_map(model: nn.Module, device_map: Mapping[str, DeviceLike]) -> dict[str, Device]:
-    """``device_map`` with its devices normalised, after checking that every key names a
-    module or tensor of ``model``, every device exists here and every weight is covered.
+def check_device_map(
+    model: nn.Module, device_map: Mapping[str, DeviceLike], must_exist: bool = False
+) -> dict[str, Device]:
+    """``device_map`` with its devices normalised, after checking that every device is one
+    (and, with ``must_exist``, that this machine has it: dispatching and loading ask) and
+    every weight is covered. Keys that name no module or tensor of ``model`` are left out
+    with a warning (as Accelerate does), naming close matches.
 
     Example::
 
@@ -278,14 +309,19 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, DeviceLike]) -> 
     modules = {name for name, _ in model.named_modules()}
     tensors = all_tensor_names(model)
     checked: dict[str, Device] = {}
+    unknown: list[str] = []
     for key, device in device_map.items():
         if not isinstance(key, str) or (key not in modules and key not in tensors):
             close = difflib.get_close_matches(str(key), [*modules, *tensors], n=3)
-            hint = f"; did you mean {close}?" if close else ""
-            raise DeviceMapError(
-                f"device_map key {key!r} is not a module or tensor of {type(model).__name__}{hint}"
-            )
-        checked[key] = normalize_device(device, f"device_map[{key!r}]")
+            unknown.append(f"{key!r}" + (f" (did you mean {close}?)" if close else ""))
+            continue
+        checked[key] = normalize_device(device, f"device_map[{key!r}]", must_exist)
+    if unknown:
+        warnings.warn(
+            f"device_map keys do not match any submodules or tensors of "
+            f"{type(model).__name__}, and are ignored: {', '.join(unknown)}",
+            stacklevel=2,
+        )
     assignment = assign_tensors(model, checked)
     persistent = model.state_dict(keep_vars=True)
     uncovered = [name for name in persistent if name not in assignment]
@@ -352,5 +388,5 @@ def resolve_device_map(
             )
             budgets = {device: size for device, size in balanced.items()}
         planned = infer_auto_device_map(model, budgets, no_split_module_classes, dtype)
-        return check_device_map(model, planned)
-    return check_device_map(model, device_map)
+        return check_device_map(model, planned, must_exist=True)
+    return check_device_map(model, device_map, must_exist=True)

@@ -77,7 +77,7 @@ def dispatch_model(
                        offload_dir="offload/")
     """
     _refuse_hooked(model)
-    checked = check_device_map(model, device_map)
+    checked = check_device_map(model, device_map, must_exist=True)
     devices = list(dict.fromkeys(checked.values()))
     main = (
         normalize_device(main_device, "main_device")
@@ -300,7 +300,7 @@ def load_checkpoint_and_dispatch(
     skip_keys: str | Iterable[str] | None = None,
     preload_module_classes: list[str] | None = None,
     force_hooks: bool = False,
-    strict: bool = True,
+    strict: bool = False,
 ) -> nn.Module:
     """Plan (``device_map="auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``,
     or a dict), load ``checkpoint`` tensor by tensor straight to its devices, and dispatch.

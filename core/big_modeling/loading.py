@@ -17,9 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -40,6 +40,8 @@ from .tensors import (
     tie_groups,
 )
 
+logger = logging.getLogger(__name__)
+
 
 def load_checkpoint_in_model(
     model: nn.Module,
@@ -49,7 +51,7 @@ def load_checkpoint_in_model(
     dtype: str | torch.dtype | None = None,
     offload_state_dict: bool = False,
     offload_buffers: bool = False,
-    strict: bool = True,
+    strict: bool = False,
 ) -> None:
     """Read ``checkpoint`` into ``model``, each tensor onto its device in ``device_map``.
 
@@ -59,9 +61,10 @@ def load_checkpoint_in_model(
     device (the CPU for meta tensors). Tensors mapped to ``"disk"`` are recorded in
     ``offload_folder`` for :func:`dispatch_model` and stay on the meta device.
 
-    Missing weights, wrong shapes and unknown keys raise a :class:`CheckpointError` before
-    anything is loaded; ``strict=False`` lets unknown checkpoint keys through (with a
-    warning) and keeps missing tensors that already hold values.
+    Missing weights (of tensors that hold no values yet) and wrong shapes raise a
+    :class:`CheckpointError` before anything is loaded. Checkpoint keys the model lacks are
+    ignored, and tensors the checkpoint lacks keep their values, each with a logged warning
+    (as Accelerate does); ``strict=True`` refuses both.
     ``offload_state_dict`` is accepted for Accelerate's signature: no state dict is ever
     held here.
 
@@ -72,7 +75,9 @@ def load_checkpoint_in_model(
     """
     del offload_state_dict
     resolved = resolve_dtype(dtype)
-    checked = check_device_map(model, device_map) if device_map is not None else None
+    checked = (
+        check_device_map(model, device_map, must_exist=True) if device_map is not None else None
+    )
     # Shapes and dtypes only: holding the tensors themselves would keep a model that already
     # has weights alive next to the loaded one.
     tensors = {name: _Layout(t) for name, t in all_tensor_names(model).items()}
@@ -201,6 +206,9 @@ def _match(
         problems.append(f"different shapes: {'; '.join(wrong[:6])}")
     if unexpected and strict:
         problems.append(f"unexpected {_listing(unexpected)} (strict=False ignores these)")
+    if not feeds and expected and infos and not problems:
+        # Not even strict=False loads anything from a checkpoint of another model.
+        problems.append(f"missing {_listing(expected)}")
     if problems:
         if not feeds:
             problems.append("no key in common: is it a checkpoint of another model?")
@@ -209,16 +217,18 @@ def _match(
             f"{'; '.join(problems)}. Nothing was loaded"
         )
     if unexpected:
-        warnings.warn(
-            f"{checkpoint.where}: ignoring {_listing(unexpected)}, which "
-            f"{type(model).__name__} does not have",
-            stacklevel=4,
+        logger.warning(
+            "Some weights of the checkpoint %s were not used when loading %s: %s, which it "
+            "does not have, are ignored (strict=True refuses them)",
+            checkpoint.where,
+            type(model).__name__,
+            _listing(unexpected),
         )
     if kept:
-        warnings.warn(
-            f"{checkpoint.where} lacks {_listing(kept)}; they keep their current values "
-            "(strict=False)",
-            stacklevel=4,
+        logger.warning(
+            "%s lacks %s; they keep their current values (strict=True refuses this)",
+            checkpoint.where,
+            _listing(kept),
         )
     return feeds
 

@@ -387,9 +387,16 @@ def _file_source(path: str) -> Source:
 def _from_index(index_path: str) -> Checkpoint:
     try:
         with open(index_path) as handle:
-            weight_map: dict[str, str] = json.load(handle)["weight_map"]
-    except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{index_path} is not a checkpoint index (no weight_map)") from None
+            index = json.load(handle)
+        # transformers' {"metadata": ..., "weight_map": {...}}, or the bare name -> file map.
+        weight_map: dict[str, str] = index.get("weight_map", index)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise TypeError
+    except (ValueError, AttributeError, TypeError):
+        raise CheckpointError(
+            f"{index_path} is not a checkpoint index: it must map tensor names to files, as "
+            'transformers\' {"weight_map": {"name": "file", ...}} or a plain {"name": "file"}'
+        ) from None
     folder = os.path.dirname(index_path)
     files = sorted(set(weight_map.values()))
     missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]

@@ -193,9 +193,10 @@ def set_module_tensor_to_device(
     target = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     data = old if value is None else value
     if value is not None and tuple(value.shape) != tuple(old.shape):
+        # Accelerate's wording: scripts and tests compare it.
         raise ValueError(
-            f"cannot put a tensor of shape {tuple(value.shape)} at {tensor_name!r}, which has "
-            f"shape {tuple(old.shape)}"
+            f'Trying to set a tensor of shape {value.shape} in "{tensor_name.split(".")[-1]}" '
+            f"(which has shape {old.shape}), this looks incorrect."
         )
     if value is None and old.is_meta and target.type != "meta":
         raise ValueError(

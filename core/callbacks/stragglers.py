@@ -26,7 +26,7 @@ window; the figures of every window go to the trackers:
 Example::
 
     monitor = StragglerMonitor(log_every_n_steps=50, factor=1.5)
-    accelerator = Accelerator(callbacks=[monitor], log_with="tensorboard")
+    accelerator = Accelerator(callbacks=[monitor], log_with="tensorboard", project_dir="runs")
     ...
     monitor.stragglers      # the processes named in the last window, e.g. [3]
 """

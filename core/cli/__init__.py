@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ..options.errors import ConfigError
-from . import check, configure, environment, estimate_memory, merge_weights, migrate
+from . import check, configure, environment, estimate_memory, merge_weights, migrate, plan
 from . import launch as launch_command
 from .suggest import refuse_unknown
 
@@ -20,6 +20,7 @@ _COMMANDS = [
     check,
     merge_weights,
     estimate_memory,
+    plan,
     migrate,
 ]
 

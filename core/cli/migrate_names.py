@@ -28,6 +28,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "accelerate.accelerator": ("slipstream",),
     "accelerate.data_loader": ("slipstream.data", "slipstream"),
     "accelerate.test_utils": ("slipstream.test_utils",),
+    "accelerate.tracking": ("slipstream.tracking", "slipstream.utils"),
     "accelerate.commands": (),
     "accelerate.commands.merge": ("slipstream.cli.merge_weights",),
     "accelerate.commands.launch": ("slipstream.cli.launch",),

@@ -42,7 +42,10 @@ add(
     "parallelism with FSDP2 (see MegatronLMPlugin); rng_types is accepted, and "
     "shuffles are kept alike on every process (the script's generator is synchronised each "
     "pass, otherwise a seeded sampler is used), so the global RNGs are not synchronised each "
-    "epoch (a warning says so); "
+    "epoch (a warning says so); Accelerate's own option objects (kwargs handlers, "
+    "DataLoaderConfiguration, GradientAccumulationPlugin, TorchDynamoPlugin, "
+    "FullyShardedDataParallelPlugin, DeepSpeedPlugin, ParallelismConfig) are converted field by "
+    "field, a field without an equivalent set away from its default is refused; "
     "adds even_batches, debug, callbacks, hang_timeout, save_on_preemption and preemption_signals; "
     + _KEYWORDS,
 )
@@ -70,25 +73,24 @@ add(
     _BOTH,
     DIFFERENT,
     "ParallelismConfig",
-    "no sequence parallelism (sp_size, sp_backend, sp_handler): use cp_size (context "
-    "parallelism); adds pipeline parallelism (pp_size, pp_schedule, ...), expert parallelism "
+    "no sequence parallelism (sp_size, sp_handler; sp_backend, sp_size and sp_enabled read "
+    "'deepspeed', 1 and False): use cp_size (context parallelism); Accelerate's "
+    "ParallelismConfig objects are accepted by the Accelerator; adds pipeline parallelism (pp_size, pp_schedule, ...), expert parallelism "
     "(ep_size, ep_plan) and tp_plan; " + _KEYWORDS,
 )
-add(
-    _BOTH,
-    DIFFERENT,
-    "find_executable_batch_size",
-    "no reduce_batch_size_fn: the batch size is halved after each out-of-memory error",
-)
+add(_BOTH, SAME, "find_executable_batch_size")
 add(
     _BOTH,
     DIFFERENT,
     "infer_auto_device_map",
-    "no fallback_allocation: a block that fits nowhere is an error naming the budget to raise",
+    "no fallback_allocation: a block that fits nowhere is an error naming the budget to raise; "
+    "room for the largest block is kept on the execution device only when something is "
+    "offloaded (GPUs are filled otherwise), so maps can differ from Accelerate's",
 )
 _LOAD_CHECKPOINT = (
-    "strict by default, local files only, no .dat offload folders; no keep_in_fp32_modules, "
-    "offload_8bit_bnb, full_state_dict or broadcast_from_rank0"
+    "local files only, no .dat offload folders (safetensors and an index.json); a checkpoint "
+    "with no key in common with the model is refused even with strict=False; no "
+    "keep_in_fp32_modules, offload_8bit_bnb, full_state_dict or broadcast_from_rank0"
 )
 add(TOP, DIFFERENT, "load_checkpoint_and_dispatch", _LOAD_CHECKPOINT)
 add(_BOTH, DIFFERENT, "load_checkpoint_in_model", _LOAD_CHECKPOINT)
@@ -193,6 +195,15 @@ add_each(
             "use_dcp=False is refused: sharded weights are read with "
             "torch.distributed.checkpoint; adapter_only loads a PEFT model's trainable parameters"
         ),
+        "save_fsdp_optimizer": (
+            "saved through the Accelerator's strategy as save_state saves it (optimizer_{i}/ "
+            "with torch.distributed.checkpoint, state flattened by parameter name, or "
+            "optimizer.bin); use_dcp=False is refused for sharded state"
+        ),
+        "load_fsdp_optimizer": (
+            "loads what save_fsdp_optimizer (or save_state) wrote, in the current layout; "
+            "use_dcp=False is refused for sharded state"
+        ),
         "broadcast_object_list": "the first argument is named objects",
         "gather_object": "the argument is named obj, not object",
         "send_to_device": "the first argument is named data; no skip_keys",
@@ -259,8 +270,7 @@ add(
     NOT_PROVIDED,
     """disable_fsdp_ram_efficient_loading enable_fsdp_ram_efficient_loading fsdp2_apply_ac
     fsdp2_canonicalize_names fsdp2_load_full_state_dict fsdp2_prepare_model
-    fsdp2_switch_optimizer_parameters get_fsdp2_grad_scaler get_module_children_bottom_up
-    load_fsdp_optimizer save_fsdp_optimizer""",
+    fsdp2_switch_optimizer_parameters get_fsdp2_grad_scaler get_module_children_bottom_up""",
     "FSDP2 is the strategy's job: prepare shards the model, save_state/load_state and "
     "save_model save and load it (slipstream merge-weights merges a sharded checkpoint)",
 )
@@ -410,7 +420,11 @@ add_each(
         ),
         "load_state": "no load_kwargs: files are read with torch.load(weights_only=True); "
         'load_state("latest") resumes from the newest checkpoint',
-        "prepare_model": "no evaluation_mode: call model.eval()",
+        "prepare_model": (
+            "evaluation_mode=True adds no data-parallel wrapper under DDP; models a strategy "
+            "shards or splits (FSDP2, DeepSpeed, tensor/pipeline parallel) are prepared in "
+            "full, and a later prepare() wraps an evaluation-only model for training"
+        ),
         "prepare_optimizer": "no device_placement: the optimizer follows its model's parameters",
         "save_state": (
             "the second argument is async_save, not safe_serialization (models are always "
@@ -419,12 +433,16 @@ add_each(
             "committed on its own (FSDP, DeepSpeed and model-parallel need one shared folder)"
         ),
         "should_save_model": "always True",
-        "unwrap_model": "no keep_torch_compile: torch.compile's wrapper is always removed",
+        "unwrap_model": (
+            "keep_torch_compile defaults to False (Accelerate: True): torch.compile's wrapper "
+            "is removed unless asked for; kept, it is the compiled module itself where it wraps "
+            "the user's module, otherwise a new torch.compile wrapper of the unwrapped module"
+        ),
         "use_seedable_sampler": (
             "accepted and changes nothing: a shuffle with the script's generator draws from it "
             "(synchronised from the main process each pass, so 2 processes see the batches 1 "
-            "process would), one without uses a SeedableRandomSampler seeded from torch's RNG "
-            "or data_seed"
+            "process would), one without uses a SeedableRandomSampler seeded with data_seed or "
+            "torch.initial_seed() (Accelerate's seed: the same order as Accelerate's)"
         ),
     },
 )

@@ -10,9 +10,9 @@ from ..runtime.lazy import lazy_exports
 
 _EXPORTS = {
     "ActiveLoaders": "active_loaders",
-    "DataLoaderDispatcher": "loader",
+    "DataLoaderDispatcher": "named_loaders",
     "DataLoaderPreparationError": "prepare",
-    "DataLoaderShard": "loader",
+    "DataLoaderShard": "named_loaders",
     "IterableDatasetShard": "iterable",
     "PreparedDataLoader": "loader",
     "SeedableRandomSampler": "samplers",

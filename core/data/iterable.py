@@ -17,14 +17,10 @@ from torch.utils.data import IterableDataset
 from .samplers import _complete, check_shard_arguments
 
 
-class IterableDatasetShard(IterableDataset[Any]):
-    """This rank's samples of an iterable dataset shared by ``num_processes`` ranks.
-
-    The stream is cut into global batches of ``batch_size * num_processes`` samples (or
-    ``batch_size`` with ``split_batches``); rank ``r`` keeps the ``r``-th slice of each. A
-    short final global batch is completed from the first samples (``even_batches``),
-    dropped (``drop_last``), or split as it is.
-    """
+class ShardedIterable(IterableDataset[Any]):
+    """What every way of taking one rank's share of an iterable dataset holds: the batch
+    arithmetic, the options and the epoch (:class:`IterableDatasetShard` reads the whole
+    stream; a stream that shards itself reads only its part, see ``streaming.py``)."""
 
     def __init__(
         self,
@@ -58,6 +54,16 @@ class IterableDatasetShard(IterableDataset[Any]):
         self.epoch = epoch
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
+
+
+class IterableDatasetShard(ShardedIterable):
+    """This rank's samples of an iterable dataset shared by ``num_processes`` ranks.
+
+    The stream is cut into global batches of ``batch_size * num_processes`` samples (or
+    ``batch_size`` with ``split_batches``); rank ``r`` keeps the ``r``-th slice of each. A
+    short final global batch is completed from the first samples (``even_batches``),
+    dropped (``drop_last``), or split as it is.
+    """
 
     def _slice(self, buffer: list[Any]) -> list[Any]:
         start = self.process_index * self.per_process

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
-from ..runtime.state import ProcessState
+from ..runtime.state import ProcessState, current_state
 from ..runtime.tree import send_to_device
 from ..runtime.xla import place_batch
 from .active_loaders import ActiveLoaders
-from .iterable import IterableDatasetShard
+from .iterable import ShardedIterable
 from .samplers import SeedableRandomSampler, ShardedBatchSampler
 from .streaming import SelfShardedStream
 
@@ -47,14 +47,16 @@ class PreparedDataLoader(DataLoader[Any]):
 
     #: Accelerate's marker: ``prepare()`` hands a prepared object back as it is.
     _is_accelerate_prepared = True
+    #: Whether this loader is also a torchdata ``StatefulDataLoader`` (Accelerate's flag).
+    use_stateful_dataloader = False
 
     def __init__(
         self,
         dataset: Any,
         *,
-        state: ProcessState,
-        device: torch.device | None,
-        shard: ShardedBatchSampler | IterableDatasetShard | None,
+        state: ProcessState | None = None,
+        device: torch.device | None = None,
+        shard: ShardedBatchSampler | ShardedIterable | None = None,
         active_loaders: ActiveLoaders | None = None,
         non_blocking: bool = False,
         dispatch: Dispatch | None = None,
@@ -72,7 +74,7 @@ class PreparedDataLoader(DataLoader[Any]):
         #: itself) or the global batch's (dispatched); ``None`` when all are real.
         self.real_rows: int | None = None
         self._dispatched_real: int | None = None
-        self.state = state
+        self.state = state if state is not None else current_state()
         self.device = torch.device(device) if device is not None else None
         self.shard = shard
         self.active_loaders = active_loaders if active_loaders is not None else ActiveLoaders()
@@ -92,18 +94,37 @@ class PreparedDataLoader(DataLoader[Any]):
         #: source itself resumes after (a stateful dataset), so nothing is re-read.
         self._resumed_batches = 0
 
+    @property
+    def gradient_state(self) -> Any:
+        """The ``GradientState`` of the Accelerator that prepared this loader (``None``
+        for one prepared without an Accelerator)."""
+        source = self.active_loaders.gradient_state
+        return source() if source is not None else None
+
     # -- epochs and shuffling -----------------------------------------------------------
     @property
     def epoch(self) -> int:
         return self._epoch
 
-    def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next pass's shuffle (passes also advance it by themselves)."""
+    @property
+    def iteration(self) -> int:
+        """Accelerate's name for :attr:`epoch`."""
+        return self._epoch
+
+    @iteration.setter
+    def iteration(self, epoch: int) -> None:
         self._epoch = epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next pass's shuffle (passes also advance it by themselves);
+        samplers (and batch samplers) with a ``set_epoch`` of their own hear it now."""
+        self._epoch = epoch
+        for obj in self._epoch_aware():
+            obj.set_epoch(epoch)
 
     def _epoch_aware(self) -> list[Any]:
         objects: list[Any] = []
-        if isinstance(self.shard, IterableDatasetShard):
+        if isinstance(self.shard, ShardedIterable):
             objects.append(self.shard)
         elif self.shard is not None:
             objects += [self.shard.batch_sampler, self.shard.sampler]
@@ -165,7 +186,7 @@ class PreparedDataLoader(DataLoader[Any]):
             return self.shard.uneven_tail
         if self.dispatch is not None:
             return not self.dispatch.even_batches and self._dispatched_real is not None
-        if isinstance(self.shard, IterableDatasetShard):
+        if isinstance(self.shard, ShardedIterable):
             return not self.shard.even_batches and self.shard.final_real_samples is not None
         return False
 
@@ -183,7 +204,7 @@ class PreparedDataLoader(DataLoader[Any]):
         """Samples per optimizer step over all processes."""
         if self.dispatch is not None:
             return self.dispatch.per_process * self.state.data_parallel_size
-        if isinstance(self.shard, IterableDatasetShard):
+        if isinstance(self.shard, ShardedIterable):
             return self.shard.global_batch_size
         size = getattr(self.shard, "batch_size", None) or self.batch_size
         if size is None:
@@ -427,30 +448,6 @@ class Dispatch:
     #: Accelerate's ``slice_fn_for_dispatch``: ``slice_fn(batch, slice, process_index=,
     #: num_processes=)`` cuts each process's rows (default: every tensor along dim 0).
     slice_fn: Callable[..., Any] | None = None
-
-
-class DataLoaderShard(PreparedDataLoader):
-    """A prepared loader whose processes each load their own share of every global batch
-    (Accelerate's name, for ``isinstance`` checks). Build it with ``prepare()`` or
-    :func:`~slipstream.data.prepare_data_loader`.
-
-    Example::
-
-        loader = prepare_data_loader(DataLoader(ds, batch_size=8))
-        assert isinstance(loader, DataLoaderShard)
-    """
-
-
-class DataLoaderDispatcher(PreparedDataLoader):
-    """A prepared loader whose main process reads every global batch and sends each
-    process its slice (``dispatch_batches=True``; Accelerate's name, for ``isinstance``
-    checks). Build it with ``prepare()`` or :func:`~slipstream.data.prepare_data_loader`.
-
-    Example::
-
-        loader = prepare_data_loader(DataLoader(stream, batch_size=8), dispatch_batches=True)
-        assert isinstance(loader, DataLoaderDispatcher)   # with more than one process
-    """
 
 
 def _noted(

@@ -23,8 +23,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..runtime.state import ProcessState, current_state
 from .active_loaders import ActiveLoaders
-from .iterable import IterableDatasetShard
-from .loader import DataLoaderDispatcher, DataLoaderShard, Dispatch, PreparedDataLoader
+from .iterable import IterableDatasetShard, ShardedIterable
+from .loader import Dispatch, PreparedDataLoader
+from .named_loaders import DataLoaderDispatcher, DataLoaderShard
 from .samplers import (
     SeedableRandomSampler,
     ShardedBatchSampler,
@@ -73,27 +74,29 @@ def _copied_arguments(loader: DataLoader[Any]) -> dict[str, Any]:
 
 
 def _agreed_seed(state: ProcessState, data_seed: int | None = None) -> int:
-    """A shuffle seed drawn from torch's RNG on every rank (same RNG use everywhere), rank
-    0's value kept; ``data_seed`` when given."""
+    """``data_seed`` when given, else ``torch.initial_seed()`` (``set_seed`` decides it, and
+    Accelerate seeds its shuffles the same way, so both draw the same order), rank 0's
+    value kept. Nothing is drawn from torch's RNG: preparing a loader leaves it as it was."""
     if data_seed is not None:
         return int(data_seed)
-    seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    if state.num_processes > 1:
-        from ..runtime.collectives import broadcast
+    return _main_process_seed(torch.initial_seed(), state)
 
-        value = torch.tensor([seed], dtype=torch.int64, device=state.device)
-        seed = int(broadcast(value, from_process=0, state=state).item())
-    return seed
+
+def _main_process_seed(seed: int, state: ProcessState) -> int:
+    """Rank 0's ``seed``, sent as two 32-bit halves (torch's seeds go up to 2**64 - 1)."""
+    if state.num_processes == 1:
+        return seed
+    from ..runtime.collectives import broadcast
+
+    halves = torch.tensor([seed >> 32, seed & 0xFFFFFFFF], dtype=torch.int64, device=state.device)
+    high, low = broadcast(halves, from_process=0, state=state).tolist()
+    return (int(high) << 32) | int(low)
 
 
 def _agree_on_seed(sampler: SeedableRandomSampler, state: ProcessState) -> None:
     """Give a sampler the script built rank 0's seed (Accelerate's default seed is
     ``torch.initial_seed()``, which differs across ranks seeded apart)."""
-    if state.num_processes > 1:
-        from ..runtime.collectives import broadcast
-
-        value = torch.tensor([sampler.seed], dtype=torch.int64, device=state.device)
-        sampler.seed = int(broadcast(value, from_process=0, state=state).item())
+    sampler.seed = _main_process_seed(sampler.seed, state)
 
 
 def _seeded_batch_sampler(
@@ -107,9 +110,10 @@ def _seeded_batch_sampler(
       batches are those a one-process DataLoader with the global batch size draws from the
       same seed, epoch after epoch.
     * A ``RandomSampler`` without one (or any, with ``data_seed``) becomes a
-      :class:`SeedableRandomSampler` seeded once from torch's RNG (``set_seed`` decides it),
-      rank 0's draw kept, or with ``data_seed``: its order depends only on the seed and the
-      epoch, so ``set_epoch(e)`` replays epoch ``e``.
+      :class:`SeedableRandomSampler` seeded with ``torch.initial_seed()`` (``set_seed``
+      decides it; Accelerate's seed, so the order is Accelerate's), rank 0's kept, or with
+      ``data_seed``: its order depends only on the seed and the epoch, so ``set_epoch(e)``
+      replays epoch ``e``.
     * A :class:`SeedableRandomSampler` the script built is kept, with rank 0's seed.
     * Other samplers that draw from the global RNG get a generator seeded alike.
     """
@@ -156,6 +160,7 @@ def shard_data_loader(
     data_seed: int | None = None,
     rng_types: Sequence[str] | None = None,
     slice_fn: Callable[..., Any] | None = None,
+    layout: tuple[int, int] | None = None,
 ) -> PreparedDataLoader:
     """Rebuild ``loader`` so this process (of ``state``) gets its shard of every global batch.
 
@@ -174,7 +179,9 @@ def shard_data_loader(
     :mod:`slipstream.data.stateful`). ``data_seed`` fixes the shuffle's seed (see
     :func:`_seeded_batch_sampler` for how shuffles are kept alike). Batches go to ``device``
     (default the state's) unless ``device_placement`` is False; ``rng_types`` names global
-    RNGs set to the main process's state at the start of every pass.
+    RNGs set to the main process's state at the start of every pass. ``layout`` =
+    ``(num_processes, process_index)`` builds the shard of another layout than the job's
+    (a job of one process only: Accelerate's ``prepare_data_loader(num_processes=2)``).
 
     Example::
 
@@ -187,7 +194,7 @@ def shard_data_loader(
     kwargs = _copied_arguments(loader)
     stateful = use_stateful_dataloader or is_stateful_dataloader(loader)
     dataset = loader.dataset
-    processes = state.data_parallel_size
+    processes, index = layout or (state.data_parallel_size, state.data_parallel_index)
     dispatching = bool(dispatch_batches) and processes > 1 and isinstance(dataset, IterableDataset)
     base = DataLoaderDispatcher if dispatching else DataLoaderShard
     loader_class = stateful_loader_class(base) if stateful else base
@@ -199,6 +206,9 @@ def shard_data_loader(
         "rng_types": rng_types,
     }
     if isinstance(dataset, IterableDataset):
+        if loader.batch_size is None and processes == 1:
+            # Items are whole batches already and one process reads them all.
+            return loader_class(dataset, batch_size=None, **common, **kwargs)
         if loader.batch_size is None:
             raise DataLoaderPreparationError(
                 "cannot shard a DataLoader over an IterableDataset with batch_size=None; "
@@ -213,7 +223,7 @@ def shard_data_loader(
         options: dict[str, Any] = {
             "batch_size": loader.batch_size,
             "num_processes": processes,
-            "process_index": state.data_parallel_index,
+            "process_index": index,
             "split_batches": split_batches,
             "even_batches": even_batches,
             "drop_last": loader.drop_last,
@@ -231,7 +241,7 @@ def shard_data_loader(
                 **common,
                 **kwargs,
             )
-        shard: IterableDatasetShard
+        shard: ShardedIterable
         if can_shard_itself(dataset, processes):
             shard = SelfShardedStream(dataset, state=state, **options)  # reads only its part
         elif stateful and is_stateful(dataset):
@@ -269,7 +279,7 @@ def shard_data_loader(
     sharded = ShardedBatchSampler(
         _seeded_batch_sampler(batch_sampler, state, data_seed),
         num_processes=processes,
-        process_index=state.data_parallel_index,
+        process_index=index,
         split_batches=split_batches,
         even_batches=even_batches,
     )
@@ -282,9 +292,11 @@ def shard_data_loader(
 
 def _check_coordinates(
     state: ProcessState, num_processes: int | None, process_index: int | None
-) -> None:
+) -> tuple[int, int] | None:
     """Accept the job's own coordinates for this process (global, or data-parallel under a
-    parallel layout), refuse others."""
+    parallel layout: ``None``, the job's layout) and, in a job of one process, another
+    layout's (Accelerate builds that shard: ``(num_processes, process_index)``); refuse
+    others."""
 
     def matches(size: int, index: int) -> bool:
         return (num_processes is None or num_processes == size) and (
@@ -294,12 +306,17 @@ def _check_coordinates(
     if matches(state.num_processes, state.process_index) or matches(
         state.data_parallel_size, state.data_parallel_index
     ):
-        return
+        return None
+    size = num_processes if num_processes is not None else state.num_processes
+    index = process_index if process_index is not None else state.process_index
+    if state.num_processes == 1 and 0 <= index < size:
+        return size, index
     raise ValueError(
         f"prepare_data_loader(num_processes={num_processes}, process_index={process_index}) "
         f"does not describe this process (process {state.process_index} of "
         f"{state.num_processes}): slipstream prepares a loader for the process that calls it, "
-        "over the launched job. Leave num_processes and process_index out"
+        "over the launched job (another layout only in a job of one process). Leave "
+        "num_processes and process_index out"
     )
 
 
@@ -326,13 +343,14 @@ def prepare_data_loader(
 
     The arguments are Accelerate's, in its order. ``num_processes`` and ``process_index``
     may be given, and must then be this process's (its global coordinates or, under a
-    parallel layout, its data-parallel ones); ``torch_device_mesh`` is accepted, the job's
+    parallel layout, its data-parallel ones), except in a job of one process, where they
+    build that process's shard of another layout; ``torch_device_mesh`` is accepted, the job's
     own layout decides which processes share samples. Batches are moved to ``device`` only
     with ``put_on_device=True``. ``rng_types`` ``"torch"``/``"cuda"`` set those global RNGs
     to the main process's state at the start of every pass; shuffle generators are always
     kept in step (``"generator"``). ``use_seedable_sampler`` is accepted and changes
     nothing: a shuffle with the script's generator draws from it, one without is seeded
-    (``data_seed``, else from torch's RNG) and replayed by ``set_epoch``.
+    (``data_seed``, else ``torch.initial_seed()``) and replayed by ``set_epoch``.
     ``dispatch_batches`` applies to iterable datasets (with ``slice_fn_for_dispatch``
     cutting each process's rows); a map-style dataset is always sharded by index. A loader
     already prepared comes back as it is.
@@ -349,7 +367,7 @@ def prepare_data_loader(
     if isinstance(dataloader, PreparedDataLoader):
         return dataloader
     state = current_state()
-    _check_coordinates(state, num_processes, process_index)
+    layout = _check_coordinates(state, num_processes, process_index)
     placement = put_on_device and device is not None
     return shard_data_loader(
         dataloader,
@@ -364,6 +382,7 @@ def prepare_data_loader(
         data_seed=data_seed,
         rng_types=rng_types,
         slice_fn=slice_fn_for_dispatch,
+        layout=layout,
     )
 
 

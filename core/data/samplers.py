@@ -267,8 +267,11 @@ class ShardedBatchSampler(Sampler[list[Any]]):
         """Yield (per-rank parts, real count when this is an incomplete final batch)."""
         parts = self.num_processes
         if parts == 1:
-            for batch in self.batch_sampler:
-                yield [list(batch)], None
+            # One process: nothing is completed, but a short final batch is still the
+            # final global batch of fewer real samples (gather_for_metrics cuts to it).
+            for batch, is_last in _flag_last(self.batch_sampler):
+                short = is_last and self.batch_size is not None and len(batch) < self.batch_size
+                yield [list(batch)], len(batch) if short else None
             return
         if self.split_batches:
             yield from self._split_global_batches()
@@ -337,13 +340,17 @@ class ShardedBatchSampler(Sampler[list[Any]]):
         )
 
     def __iter__(self) -> Iterator[list[Any]]:
+        # Everything happens on the first next(), the skip taken included: a loader may
+        # make an iterator and drop it unused (torchdata's worker iterator makes one when it
+        # is built and another when it resets), and the pass to resume is the one that runs.
         self.final_real_samples = None
         self.uneven_tail = False
         to_skip, self.skip_batches = self.skip_batches, 0
         # Either way the index order is drawn on the first next(), as plain torch does.
         if self._order_can_be_listed():
-            return self._batches_from_order(to_skip)
-        return self._batches_from_groups(to_skip)
+            yield from self._batches_from_order(to_skip)
+        else:
+            yield from self._batches_from_groups(to_skip)
 
     def _batches_from_order(self, to_skip: int) -> Iterator[list[Any]]:
         """This rank's batches sliced straight out of the pass's index order: the batches

@@ -59,6 +59,8 @@ def stateful_loader_class(
     class StatefulPreparedDataLoader(base, StatefulDataLoader):  # type: ignore[valid-type,misc]
         """A prepared loader that is also a ``StatefulDataLoader`` (see the module)."""
 
+        use_stateful_dataloader = True
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._source_state: Any = None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .iterable import IterableDatasetShard
+from .iterable import ShardedIterable
 from .samplers import _complete
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def _part(dataset: Any, num_shards: int, index: int) -> Any:
         return dataset.shard(num_shards, index)
 
 
-class SelfShardedStream(IterableDatasetShard):
+class SelfShardedStream(ShardedIterable):
     """This process's part of a dataset that shards itself (see the module docstring)."""
 
     def __init__(self, dataset: Any, *, state: ProcessState, **options: Any) -> None:

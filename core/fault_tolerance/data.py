@@ -58,8 +58,8 @@ class FaultTolerantDataLoader:
         self.shuffle = isinstance(loader.sampler, RandomSampler)
         self.controller = controller
         self.device = device
-        if seed is None:
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        if seed is None:  # Accelerate's (and prepared loaders') seed: what set_seed set
+            seed = torch.initial_seed()
         self.seed = seed
         #: The epoch the batches come from (ahead of the committed one inside a
         #: semi-synchronous interval that crossed into the next epoch).

@@ -16,10 +16,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..runtime.env import LAUNCH_CONFIG_VARIABLE, export_for_workers, patch_environment
@@ -225,10 +227,28 @@ def notebook_launcher(
         config.numa_options = None
     # The workers inherit these while they start (restarts included); the caller's
     # environment is as it was afterwards.
-    with patch_environment(**{LAUNCH_CONFIG_VARIABLE: "", **extra}):
+    with patch_environment(**{LAUNCH_CONFIG_VARIABLE: "", **extra}), _frozen_heap(method):
         export_for_workers({"mixed_precision": precision, "use_cpu": use_cpu}, extra)
         results = elastic_launch(config, _WatchingParent(function))(*args)
     return [results[rank] for rank in sorted(results)]
+
+
+@contextlib.contextmanager
+def _frozen_heap(start_method: str) -> Iterator[None]:
+    """Forked workers inherit this process's heap, garbage included: the elastic agent of
+    an earlier launch that failed (its process contexts, log tailers, locks) waits there for
+    the collector, and collected in a worker its finalizers wait on threads and processes
+    that are not the worker's (a re-run after a failed call deadlocked this way). Collect
+    first and freeze what is left, so workers never collect what they inherit."""
+    if start_method != "fork":
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def debug_launcher(

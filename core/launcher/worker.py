@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(128 + signal.SIGINT)
     except BaseException as error:
         from ..runtime.flight import is_timeout, report_timeout
-        from ..runtime.state import note_failure
+        from ..runtime.process_exit import note_failure
 
         if is_timeout(error):  # a collective torch timed out: report the hang first
             report_timeout(f"{type(error).__name__} in the script: {str(error)[:120]}")

@@ -6,6 +6,7 @@ that forwards everything to the wrapped optimizer.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -116,6 +117,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.eval()
 
 
+def _nobody() -> None:
+    return None
+
+
 class StepCoordinator:
     """Coordinates the optimizers of one Accelerator within a training step.
 
@@ -134,7 +139,7 @@ class StepCoordinator:
         #: The callbacks whose optimizer hooks fire, and the object passed to them first
         #: (both set by the Accelerator; hooks are skipped while there are no callbacks).
         self.callbacks = CallbackRunner()
-        self.hook_owner: Any = None
+        self._hook_owner: Callable[[], Any] = _nobody
         self.optimizers: list[AcceleratedOptimizer] = []
         self.pending: list[AcceleratedOptimizer] = []
         #: Set (by a guard's ``on_before_optimizer_step``) to skip the current step: no
@@ -144,6 +149,27 @@ class StepCoordinator:
         #: A strategy whose device needs work around each optimizer step (XLA: average
         #: the gradients over the processes before it, the step barrier after it).
         self.device_step: Any = None
+
+    @property
+    def hook_owner(self) -> Any:
+        """The object passed to callbacks first (the Accelerator), held weakly: it holds
+        this coordinator, and a strong reference back would keep it alive until the garbage
+        collector runs."""
+        return self._hook_owner()
+
+    @hook_owner.setter
+    def hook_owner(self, owner: Any) -> None:
+        self._hook_owner = _nobody if owner is None else weakref.ref(owner)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_hook_owner"] = self.hook_owner  # pickled as the object itself
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        owner = state.pop("_hook_owner")
+        self.__dict__.update(state)
+        self.hook_owner = owner
 
     def register(self, optimizer: AcceleratedOptimizer) -> None:
         self.optimizers.append(optimizer)

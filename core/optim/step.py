@@ -33,10 +33,13 @@ class StepState:
     average_short_cycles: bool = False
 
     def __post_init__(self) -> None:
-        steps = self.gradient_accumulation_steps
+        self.set_accumulation(self.gradient_accumulation_steps)
+
+    def set_accumulation(self, steps: int) -> None:
+        """Accumulate over ``steps`` micro-batches from the next cycle on."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}")
-        self.cycle_length = steps
+        self.gradient_accumulation_steps = self.cycle_length = steps
 
     def begin_micro_step(self, end_of_dataloader: bool, batches_left: int | None = None) -> None:
         """Advance one micro-step.

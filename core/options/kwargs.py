@@ -124,8 +124,8 @@ class DataLoaderConfiguration:
     ``dispatch_batches``: for an ``IterableDataset`` that cannot shard itself, the main
     process reads each global batch and sends every process its slice (instead of every
     process reading the whole stream).
-    ``data_seed``: the seed of the shuffle (default: drawn from torch's RNG, so
-    ``set_seed`` decides it). ``use_seedable_sampler``: accepted for Accelerate scripts;
+    ``data_seed``: the seed of the shuffle (default: ``torch.initial_seed()``, so
+    ``set_seed`` decides it, as in Accelerate). ``use_seedable_sampler``: accepted for Accelerate scripts;
     slipstream's shuffles are always seeded alike on every process (exact resume needs it).
     ``use_stateful_dataloader``: prepared loaders are torchdata ``StatefulDataLoader``s and
     a dataset with ``state_dict``/``load_state_dict`` resumes from its saved state instead
@@ -252,18 +252,6 @@ class ProfileKwargs(KwargsHandler):
             with_flops=self.with_flops,
             with_modules=self.with_modules,
         )
-
-
-@dataclass
-class TorchDynamoPlugin:
-    """``torch.compile`` settings: ``backend`` ("inductor", "aot_eager", ... or "no"),
-    ``mode``, ``fullgraph``, ``dynamic`` and backend ``options``."""
-
-    backend: str = "no"
-    mode: str | None = None
-    fullgraph: bool = False
-    dynamic: bool | None = None
-    options: dict[str, Any] | None = None
 
 
 @dataclass

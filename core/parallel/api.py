@@ -41,6 +41,7 @@ class ParallelMixin:
     def _parallelism_config(
         self, given: ParallelismConfig | None, launch: Mapping[str, Any]
     ) -> ParallelismConfig | None:
+        from ..runtime.env import accelerate_layout_requested
         from .config import ParallelismConfig  # on first use: `import slipstream` stays cheap
 
         if given is not None:
@@ -53,6 +54,8 @@ class ParallelMixin:
         block = launch.get("parallelism_config") or {}
         if block:
             return ParallelismConfig.from_config(block)
+        if accelerate_layout_requested():  # started by `accelerate launch` with a layout
+            return ParallelismConfig()
         # The layout belongs to the processes: a later Accelerator of the same job keeps it.
         return self.state.parallelism
 

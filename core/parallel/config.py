@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runtime.env import parallelism_environment
+from .accelerate_view import AccelerateView
 from .config_values import (
     CONFIG_KEYS,
     PIPELINE_BALANCE,
@@ -84,13 +86,18 @@ class TorchContextParallelConfig:
             ranks: ``"allgather"`` (default) or ``"alltoall"`` (ring rotation).
     """
 
-    cp_comm_strategy: str = "allgather"
+    cp_comm_strategy: str = ""
 
     def __post_init__(self) -> None:
+        source = ""
+        if not self.cp_comm_strategy:  # not given: Accelerate's launcher variable, else allgather
+            given = parallelism_environment().get("cp_comm_strategy")
+            source = " (from PARALLELISM_CONFIG_CP_COMM_STRATEGY)" if given else ""
+            self.cp_comm_strategy = given or "allgather"
         if self.cp_comm_strategy not in CP_COMM_STRATEGIES:
             raise ParallelismConfigError(
                 f"cp_comm_strategy must be one of {', '.join(CP_COMM_STRATEGIES)}, got "
-                f"{self.cp_comm_strategy!r}"
+                f"{self.cp_comm_strategy!r}{source}"
             )
 
 
@@ -144,7 +151,7 @@ ExpertParallelPlan = Mapping[str, str] | Sequence[str]
 
 
 @dataclass
-class ParallelismConfig:
+class ParallelismConfig(AccelerateView):
     """How processes are arranged: data parallel (replicated and sharded), tensor, context
     and pipeline parallel.
 
@@ -187,7 +194,9 @@ class ParallelismConfig:
             function of the model that returns one. ``None`` uses a transformers model's own
             ``base_model_ep_plan``.
 
-    A size left unset is 1. If no size is given at all, every process is a data-parallel
+    A size left unset is read from Accelerate's launcher variables
+    (``PARALLELISM_CONFIG_TP_SIZE``, ... set by ``accelerate launch``) when they are set, else
+    it is 1. If no size is given at all, every process is a data-parallel
     replica (like Accelerate); with only ``ep_size``, every process shards (FSDP2). One size
     may be ``-1``: it takes what the others leave. When only model-parallel sizes are given
     (neither ``dp_replicate_size`` nor ``dp_shard_size``), ``dp_shard_size`` takes what they
@@ -221,6 +230,7 @@ class ParallelismConfig:
     sizes: MeshSizes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._read_launcher_variables()
         given = self._given()
         auto = [name for name, size in given.items() if size == -1]
         if len(auto) > 1:
@@ -332,58 +342,6 @@ class ParallelismConfig:
         resolved = MeshSizes(**sizes, ep=ep)
         self.sizes = resolved
         return resolved
-
-    # -- Accelerate's properties --------------------------------------------------------
-    def _size(self, dim: str) -> int:
-        if self.sizes is not None:
-            return self.sizes.size(dim)
-        value = getattr(self, f"{dim}_size")
-        return 1 if value in (None, -1) else int(value)
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self._size("dp_replicate") > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self._size("dp_shard") > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self._size("tp") > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self._size("cp") > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self._size("pp") > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self._size("ep") > 1
-
-    @property
-    def total_size(self) -> int:
-        return math.prod(self._size(d) for d in MESH_DIMS)
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self._size("dp_replicate") * self._size("dp_shard")
-
-    @property
-    def non_data_parallel_size(self) -> int:
-        return self._size("tp") * self._size("cp") * self._size("pp")
-
-    @property
-    def model_parallel(self) -> bool:
-        """Whether anything beyond plain data parallelism is asked for."""
-        return self.tp_enabled or self.cp_enabled or self.pp_enabled or self.ep_enabled
-
-    @property
-    def active_mesh_dims(self) -> list[str]:
-        return [d for d in MESH_DIMS if self._size(d) > 1]
 
     # -- config files -------------------------------------------------------------------
     def to_config(self) -> dict[str, Any]:

@@ -66,10 +66,11 @@ def recursively_apply(
         if test_type(value):
             return func(value, *args, **kwargs)
         if error_on_other_type:
+            # Accelerate's wording: scripts and tests compare it.
             raise TypeError(
-                f"{getattr(func, '__name__', func)!s} got a {type(value).__name__}; it takes "
-                f"nested lists/tuples/dicts of objects accepted by "
-                f"{getattr(test_type, '__name__', test_type)!s}"
+                f"Unsupported types ({type(value)}) passed to `{getattr(func, '__name__', func)!s}`. "
+                "Only nested list/tuple/dicts of objects that are valid for "
+                f"`{getattr(test_type, '__name__', test_type)!s}` should be passed."
             )
         return value
 
@@ -156,6 +157,8 @@ def concatenate(data: list[Any] | tuple[Any, ...], dim: int = 0) -> Any:
         concatenate([{"x": a1, "y": b1}, {"x": a2, "y": b2}])  # {"x": cat(a), "y": cat(b)}
     """
     first = data[0]
+    if len(data) == 1 and not isinstance(first, (list, tuple, Mapping, torch.Tensor)):
+        return first  # one batch of something else: nothing to join (as Accelerate)
     if isinstance(first, (list, tuple)):
         return honor_type(
             first, (concatenate([d[i] for d in data], dim) for i in range(len(first)))
@@ -164,7 +167,10 @@ def concatenate(data: list[Any] | tuple[Any, ...], dim: int = 0) -> Any:
         return type(first)({k: concatenate([d[k] for d in data], dim) for k in first})  # type: ignore[call-arg]
     if isinstance(first, torch.Tensor):
         return torch.cat(list(data), dim=dim)
-    raise TypeError(f"can only concatenate tensors, got {type(first).__name__}")
+    raise TypeError(
+        f"can only concatenate tensors (in lists, tuples and dicts), got {len(data)} "
+        f"{type(first).__name__} values; gather non-tensor objects with gather_object"
+    )
 
 
 def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Give each process its share of a list, tuple, dict of sequences or tensor.
+"""Give each process its share of a list, tuple, dict of sequences, tensor or
+``datasets.Dataset``.
 
 Example::
 
@@ -52,10 +53,18 @@ def split_sequence(
                 for k, v in inputs.items()
             }
         )
+    select = getattr(inputs, "select", None)
+    if callable(select) and not isinstance(inputs, (Sequence, torch.Tensor)):
+        # A datasets.Dataset (not imported here): its rows by index, padded with the last.
+        start, stop = _bounds(len(inputs), process_index, num_processes)
+        rows = list(range(start, stop))
+        if apply_padding and len(inputs):
+            rows += [len(inputs) - 1] * (-(-len(inputs) // num_processes) - len(rows))
+        return select(rows)
     if not isinstance(inputs, (Sequence, torch.Tensor)) or isinstance(inputs, (str, bytes)):
         raise TypeError(
-            "split_between_processes takes a list, tuple, dict of sequences or a tensor; "
-            f"got {type(inputs).__name__}"
+            "split_between_processes takes a list, tuple, dict of sequences, a tensor or a "
+            f"datasets.Dataset; got {type(inputs).__name__}"
         )
     start, stop = _bounds(len(inputs), process_index, num_processes)
     part = inputs[start:stop]

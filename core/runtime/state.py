@@ -1,9 +1,8 @@
 """ProcessState: this process's rank, world, device and process group, built once from the
 launcher environment.
 
-There is no shared-``__dict__`` singleton: a state is an ordinary object. The Accelerator
-creates one and makes it *current*, so free functions (collectives, ``set_seed``) can find
-it; code that wants several explicit states can pass them around instead.
+No shared-``__dict__`` singleton: a state is an ordinary object the Accelerator makes
+*current*, so free functions (collectives, ``set_seed``) find it; or pass states around.
 
 Example::
 
@@ -14,9 +13,7 @@ Example::
 from __future__ import annotations
 
 import atexit
-import contextlib
 import enum
-import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,9 +21,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from . import env
 from .env import LaunchEnvironment, enable_flight_recorder, read_launch_environment
 from .errors import guarded
-from .flight import PROGRESS, is_timeout, report_timeout
+from .process_exit import destroy_group_at_exit, watch_for_failure
 from .xla import process_layout, rendezvous, wants_xla
 
 if TYPE_CHECKING:
@@ -63,8 +61,7 @@ FLIGHT_RECORDER_ENTRIES = 2000
 
 
 class JobMesh(Protocol):
-    """What the process state reads of the job's device mesh (built by
-    :class:`slipstream.parallel.mesh.ParallelMesh`, which has more)."""
+    """What the state reads of the job's mesh (:class:`~slipstream.parallel.mesh.ParallelMesh`)."""
 
     mesh: DeviceMesh
 
@@ -87,7 +84,9 @@ class ProcessStateError(RuntimeError):
 
 
 def select_device(local_rank: int, world_size: int, cpu: bool) -> torch.device:
-    """CUDA by local rank, else MPS for a single process, else CPU."""
+    """``ACCELERATE_TORCH_DEVICE`` if set, else CUDA by local rank, MPS for one process, CPU."""
+    if (override := env.device_override()) is not None:
+        return torch.device(override)
     if not cpu and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     mps = getattr(torch.backends, "mps", None)
@@ -103,6 +102,10 @@ def default_backend(device: torch.device) -> str:
 
 class ProcessState:
     """Where this process sits in the job. Build it with :meth:`from_environment`."""
+
+    #: The active Accelerator's FSDP2 and DeepSpeed options (Accelerate's state members).
+    fsdp_plugin: Any = None
+    deepspeed_plugin: Any = None
 
     def __init__(
         self,
@@ -217,8 +220,8 @@ class ProcessState:
                 )
             dist.init_process_group(**init_kwargs)  # type: ignore[arg-type]
             owns = True
-            _watch_for_failure()
-            atexit.register(_destroy_group_at_exit)
+            watch_for_failure()
+            atexit.register(destroy_group_at_exit)
         elif world > 1:
             backend = dist.get_backend()
             if device.type == "cuda":
@@ -262,9 +265,8 @@ class ProcessState:
             return DistributedType.XLA
         if self.num_processes == 1:
             return DistributedType.NO
-        return (
-            DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
-        )
+        gpu = self.device.type == "cuda"
+        return DistributedType.MULTI_GPU if gpu else DistributedType.MULTI_CPU
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -370,11 +372,9 @@ class ProcessState:
         reset_shared_state(reset_partial_state)
 
     def __repr__(self) -> str:
-        return (
-            f"ProcessState(process_index={self.process_index}, num_processes="
-            f"{self.num_processes}, local_process_index={self.local_process_index}, "
-            f"device={self.device}, backend={self.backend})"
-        )
+        where = f"process_index={self.process_index}, num_processes={self.num_processes}"
+        local = f"local_process_index={self.local_process_index}, device={self.device}"
+        return f"ProcessState({where}, {local}, backend={self.backend})"
 
 
 def _attempt_store(launch: LaunchEnvironment, timeout: timedelta | None) -> dist.Store:
@@ -392,43 +392,6 @@ def _attempt_store(launch: LaunchEnvironment, timeout: timedelta | None) -> dist
         timeout=timeout or DEFAULT_TIMEOUT,
     )
     return dist.PrefixStore(f"slipstream/attempt_{launch.restart_count}/", server)
-
-
-_failed = False
-#: How long a cleanly finishing process waits at exit for the others to finish too.
-EXIT_BARRIER_TIMEOUT = timedelta(seconds=60)
-
-
-def note_failure() -> None:
-    """Record that this process is ending with an error (no exit barrier then)."""
-    global _failed
-    _failed = True
-
-
-def _watch_for_failure() -> None:
-    previous = sys.excepthook
-
-    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        note_failure()
-        if is_timeout(value):  # a collective timed out: let the hang watchdog report first
-            report_timeout(f"{kind.__name__}: {str(value)[:120]}")
-        previous(kind, value, tb)
-
-    sys.excepthook = excepthook
-
-
-def _destroy_group_at_exit() -> None:
-    # Without this gloo can abort at interpreter shutdown ("terminate called without an
-    # active exception") and turn a successful run into a non-zero exit code. A process
-    # that finished cleanly first waits (bounded) for the others, so no process tears down
-    # connections a peer is still using; after a failure it leaves at once.
-    PROGRESS.finishing = True  # waiting for the others here is not a hang of this process
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if not _failed and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
-        with contextlib.suppress(Exception):
-            dist.monitored_barrier(timeout=EXIT_BARRIER_TIMEOUT)
-    dist.destroy_process_group()
 
 
 _current: ProcessState | None = None

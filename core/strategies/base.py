@@ -105,8 +105,11 @@ class Strategy:
 
     # -- weights --------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The full (unsharded) state dict of ``model``; collective for sharded strategies."""
-        return self.unwrap_model(model).state_dict()
+        """The full (unsharded) state dict of ``model``; collective for sharded strategies.
+        Weights that hooks keep offloaded (dispatched to "cpu" or "disk") are read back."""
+        from ..big_modeling.offloaded_models import state_dict_with_offloaded
+
+        return state_dict_with_offloaded(self.unwrap_model(model))
 
     def checkpoint_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """What ``save_state`` writes for ``model`` (sharded strategies may keep shards)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from inspect import signature
 from typing import Any
 
 from ..callbacks import CallbackRunner
@@ -50,15 +51,20 @@ class TrackingMixin:
                         f"log_with={entry!r} writes files: give Accelerator(project_dir=...) or "
                         "ProjectConfiguration(logging_dir=...)"
                     )
-                tracker = (
-                    kind(project_name, self.logging_dir, **init_kwargs.get(entry, {}))
-                    if self._writes(kind)
-                    else None
-                )
+                options = init_kwargs.get(entry, {})
+                tracker = None
+                if self._writes(kind) and kind.requires_logging_directory:
+                    tracker = kind(project_name, self.logging_dir, **options)
+                elif self._writes(kind) and "logging_dir" in signature(kind).parameters:
+                    tracker = kind(project_name, logging_dir=self.logging_dir, **options)
+                elif self._writes(kind):  # Accelerate's convention: no logging_dir argument
+                    tracker = kind(project_name, **options)
             if tracker is not None:
                 self.trackers.append(tracker)
-                if config is not None:
-                    tracker.store_init_configuration(config)
+        for started in self.trackers:
+            started.start()
+            if config is not None:
+                started.store_init_configuration(config)
 
     def _writes(self, tracker: Any) -> bool:
         return self.state.is_main_process or not tracker.main_process_only

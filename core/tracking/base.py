@@ -31,6 +31,10 @@ class GeneralTracker:
         self.run_name = run_name
         self.logging_dir = logging_dir
 
+    def start(self) -> None:
+        """Called by ``init_trackers`` before anything is recorded: open files or runs here
+        (a tracker made before the Accelerator starts nothing in its constructor)."""
+
     @property
     def tracker(self) -> Any:
         """The underlying object (a SummaryWriter, a wandb run, ...)."""

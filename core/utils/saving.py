@@ -46,8 +46,8 @@ def clean_state_dict_for_safetensors(state_dict: Mapping[str, Any]) -> dict[str,
     dropped = {name for group in names.values() for name in group[1:]}
     if dropped:
         logger.warning(
-            "removed tensors that share memory with another entry while saving: %s (tie them "
-            "again after loading)",
+            "Removed shared tensor %s while saving: they share memory with another entry "
+            "(safetensors stores each storage once); tie them again after loading",
             sorted(dropped),
         )
     return {
@@ -140,12 +140,18 @@ def _fsdp_file(model_index: int) -> str:
     return f"pytorch_model_fsdp{'' if model_index == 0 else f'_{model_index}'}.bin"
 
 
+def _sharded(fsdp_plugin: Any) -> bool:
+    """Whether the plugin (slipstream's, or Accelerate's holding torch's enum) saves shards."""
+    kind = getattr(fsdp_plugin, "state_dict_type", "FULL_STATE_DICT")
+    return str(getattr(kind, "name", kind)).upper() == "SHARDED_STATE_DICT"
+
+
 def _state_dict_options(fsdp_plugin: Any, model: torch.nn.Module, adapter_only: bool) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from .introspection import is_peft_model
 
-    full = fsdp_plugin.state_dict_type != "SHARDED_STATE_DICT"
+    full = not _sharded(fsdp_plugin)
     return StateDictOptions(
         full_state_dict=full,
         cpu_offload=full,
@@ -252,3 +258,89 @@ def load_fsdp_model(
     state_dict = get_model_state_dict(model, options=options)
     dcp.load({"model": state_dict}, **dcp_reader_arguments(reader, name))
     set_model_state_dict(model, state_dict, options=options)
+
+
+def _optimizer_strategy(accelerator: Any, fsdp_plugin: Any, use_dcp: bool, caller: str) -> Any:
+    strategy = accelerator.strategy
+    if not use_dcp and _sharded(fsdp_plugin):
+        raise ValueError(
+            f"{caller}(use_dcp=False) writes per-rank files that load only on as many "
+            "processes; slipstream writes sharded optimizer state with "
+            "torch.distributed.checkpoint (use_dcp=True), which loads on any number"
+        )
+    if _sharded(fsdp_plugin) != _sharded(getattr(strategy, "plugin", None)):
+        raise ValueError(
+            f"{caller}: the plugin asks for {getattr(fsdp_plugin, 'state_dict_type', None)} "
+            "but the Accelerator's strategy saves "
+            f"{getattr(getattr(strategy, 'plugin', None), 'state_dict_type', 'FULL_STATE_DICT')}"
+            ": pass accelerator.state.fsdp_plugin"
+        )
+    return strategy
+
+
+def save_fsdp_optimizer(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: torch.nn.Module,
+    output_dir: str,
+    optimizer_index: int = 0,
+    use_dcp: bool = True,
+) -> None:
+    """Save a prepared FSDP optimizer's state as ``save_state`` does, through the
+    Accelerator's strategy; every process must call it. ``SHARDED_STATE_DICT`` writes
+    ``output_dir/optimizer_{optimizer_index}/`` (torch.distributed.checkpoint, loadable on
+    any number of processes), ``FULL_STATE_DICT`` ``output_dir/optimizer.bin`` (main process).
+
+    Example::
+
+        save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, "out")
+    """
+    from ..checkpoint.io import CheckpointWriter
+    from ..checkpoint.layout import everyone
+    from ..checkpoint.storage import Storage
+
+    strategy = _optimizer_strategy(accelerator, fsdp_plugin, use_dcp, "save_fsdp_optimizer")
+    storage = Storage.for_url(output_dir)
+    writer = CheckpointWriter(storage, storage.root, accelerator.state)
+    inner = getattr(optimizer, "optimizer", optimizer)  # a prepared optimizer's own
+    everyone(
+        accelerator.state,
+        lambda: strategy.save_optimizer_checkpoint(inner, writer, optimizer_index),
+    )
+
+
+def load_fsdp_optimizer(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: torch.nn.Module,
+    input_dir: str,
+    optimizer_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
+    """Load what :func:`save_fsdp_optimizer` wrote into a prepared optimizer, in its
+    current layout; every process must call it.
+
+    Example::
+
+        load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, "out")
+    """
+    from ..checkpoint.io import CheckpointReader
+    from ..checkpoint.layout import everyone
+    from ..checkpoint.names import optimizer_folder
+    from ..checkpoint.storage import Storage
+
+    strategy = _optimizer_strategy(accelerator, fsdp_plugin, use_dcp, "load_fsdp_optimizer")
+    storage = Storage.for_url(input_dir)
+    root = storage.root
+    if storage.name(root) == optimizer_folder(optimizer_index):  # Accelerate takes it too
+        root = storage.parent(root)
+    reader = CheckpointReader(storage, root, accelerator.state, {})
+    inner = getattr(optimizer, "optimizer", optimizer)
+    apply = everyone(
+        accelerator.state,
+        lambda: strategy.load_optimizer_checkpoint(inner, reader, optimizer_index),
+    )
+    apply()

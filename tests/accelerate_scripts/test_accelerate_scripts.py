@@ -11,7 +11,6 @@ is printed (``pytest -s``) and attached to a failure.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import shutil
@@ -23,14 +22,15 @@ from typing import Any
 import pytest
 
 from slipstream.compatibility import CPU_ADAPTATIONS, SCRIPT_DIFFERENCES
+from tests.accelerate_peer import accelerate_package, migrate, print_report
 from tests.distributed import device_environment
 
 from .driver import called_functions
 
-_spec = importlib.util.find_spec("accelerate")
-if _spec is None or _spec.origin is None:  # pragma: no cover - accelerate is a test dependency
+_package = accelerate_package()
+if _package is None:  # pragma: no cover - accelerate is a test dependency
     pytest.skip("accelerate is not installed", allow_module_level=True)
-SCRIPTS = Path(_spec.origin).parent / "test_utils" / "scripts"
+SCRIPTS = _package / "test_utils" / "scripts"
 DRIVER = Path(__file__).with_name("driver.py")
 
 #: Script -> how it runs: launched on 2 processes (with main()'s GPU-only calls as extras),
@@ -84,13 +84,7 @@ def migrated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         target = folder / script
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(SCRIPTS / script, target)
-    migrate = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli", "migrate", str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert migrate.returncode in (0, 1), migrate.stderr
+    report = migrate(folder)
     for script, changes in CPU_ADAPTATIONS.items():
         path = folder / script
         text = path.read_text()
@@ -102,7 +96,7 @@ def migrated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stand_ins.mkdir()
     for name, body in STAND_INS.items():
         (stand_ins / f"{name}.py").write_text(body)
-    return {"folder": folder, "report": migrate.stdout, "stand_ins": stand_ins}
+    return {"folder": folder, "report": report, "stand_ins": stand_ins}
 
 
 _results: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -151,11 +145,14 @@ def _run(script: str, migrated: dict[str, Any]) -> dict[str, list[dict[str, Any]
             }
         )
     _results[script] = by_function
-    print(f"\n{script}:")
-    for records in by_function.values():
-        for record in records:
-            status = "PASS" if record["passed"] else f"FAIL {record.get('error', '')}"
-            print(f"  {record['rank']:>8} {record['call']}: {status}")
+    print_report(
+        script,
+        (
+            (r["rank"], r["call"], "PASS" if r["passed"] else f"FAIL {r.get('error', '')}")
+            for records in by_function.values()
+            for r in records
+        ),
+    )
     return by_function
 
 

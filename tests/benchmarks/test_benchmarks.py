@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import runpy
+import sys
+import time
 
 import pytest
 
+from tests.benchmarks.warm_launch import launch_on_warm_workers
 from tests.distributed import REPO, run_python
 
 # run.py runs all of them (workers.py, models.py and process_memory.py are their shared
@@ -22,13 +27,59 @@ NOT_BENCHMARKS = {
 SCRIPTS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if p.name not in NOT_BENCHMARKS)
 
 
+# Scripts whose ranks start through workers.run_workers run their smoke test in this process,
+# their ranks on the suite's warm workers (tests/benchmarks/warm_launch.py); the others start
+# processes of their own by design (start-up, fault tolerance, the GPU check's workers).
+ON_WARM_WORKERS = {
+    name for name in SCRIPTS if "run_workers(" in (REPO / "benchmarks" / name).read_text()
+} | {name for name in SCRIPTS if "run_cases(" in (REPO / "benchmarks" / name).read_text()}
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmark_runs_quickly(script):
-    result = run_python(str(REPO / "benchmarks" / script), "--quick", timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "ratio" in result.stdout
+def test_benchmark_runs_quickly(script, monkeypatch, capsys):
+    path = REPO / "benchmarks" / script
+    if script in ON_WARM_WORKERS:
+        monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+        workers = importlib.import_module("workers")
+        monkeypatch.setattr(workers, "_launch", launch_on_warm_workers)
+        monkeypatch.setattr(sys, "argv", [str(path), "--quick"])
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as stop:
+            assert stop.code in (None, 0), stop.code
+        stdout = capsys.readouterr().out
+    else:
+        result = run_python(str(path), "--quick", timeout=300)
+        assert result.returncode == 0, result.stderr
+        stdout = result.stdout
+    assert "ratio" in stdout
     # The overhead scripts check that every variant trained to the hand-written loop's weights.
-    assert "weights DIFFERENT" not in result.stdout, result.stdout
+    assert "weights DIFFERENT" not in stdout, stdout
+
+
+REPORTING_SCRIPT = """
+import json, os, sys
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "fail" and rank == 1:
+    raise SystemExit("rank 1 gives up")
+if rank == 0:
+    import time; time.sleep(0 if sys.argv[1] == "ok" else 30)
+    print("BENCH " + json.dumps({"world": os.environ["WORLD_SIZE"], "extra": os.environ["EXTRA"],
+                                 "threads": os.environ["OMP_NUM_THREADS"]}))
+"""
+
+
+def test_run_workers_starts_the_ranks_and_stops_them_when_one_fails(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    workers = importlib.import_module("workers")
+    script = tmp_path / "reporting.py"
+    script.write_text(REPORTING_SCRIPT)
+    reports = workers.run_workers(str(script), ["ok"], processes=2, env={"EXTRA": "1"})
+    assert reports == [{"world": "2", "extra": "1", "threads": "1"}]
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match="rank 1 gives up"):
+        workers.run_workers(str(script), ["fail"], processes=2, env={"EXTRA": "1"})
+    assert time.monotonic() - started < 20, "rank 0 (sleeping) was stopped, not waited for"
 
 
 def test_run_lists_every_script():

@@ -42,17 +42,34 @@ def test_logger_prints_once_unless_asked_per_process():
     assert r1 == "[rank 1] everyone\n[rank 1] in turn\n"
 
 
-def test_find_executable_batch_size_halves_after_out_of_memory():
+def test_find_executable_batch_size_reduces_after_out_of_memory():
     tried = []
 
     @find_executable_batch_size(starting_batch_size=128)
     def train(batch_size, factor):
         tried.append(batch_size)
-        if batch_size > 16:
+        if batch_size > 100:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return batch_size * factor
 
-    assert train(2) == 32 and tried == [128, 64, 32, 16]
+    assert train(2) == 184 and tried == [128, 115, 103, 92]  # 90% each time, as Accelerate
+
+    @find_executable_batch_size(starting_batch_size=128, reduce_batch_size_fn=lambda b: b // 2)
+    def halving(batch_size):
+        tried.append(batch_size)
+        if batch_size > 16:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+
+    tried.clear()
+    halving()
+    assert tried == [128, 64, 32, 16]
+
+    @find_executable_batch_size(starting_batch_size=8, reduce_batch_size_fn=lambda: 8)
+    def stuck(batch_size):
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    with pytest.raises(ValueError, match="returned 8 after batch_size=8 ran out of memory"):
+        stuck()
 
     @find_executable_batch_size(starting_batch_size=4)
     def never_fits(batch_size):

@@ -284,3 +284,21 @@ def test_fault_tolerant_example_learns_over_two_replica_groups():
         assert re.search(pattern + r"\d+ steps committed, 0 discarded", result.stderr), (
             result.stderr[-3000:]
         )
+
+
+def test_trainer_example_learns_with_tensor_parallelism_on_two_processes(tmp_path: Path):
+    # transformers' Trainer with one import changed; --tp splits the Llama with its own plan.
+    result = run_cli(
+        "launch", "-n", "2", "--cpu", example("trainer.py"), "--quick", "--tp",
+        "--save", str(tmp_path / "model"), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    curve = assert_learns(result.stdout)
+    assert [when for when, _, _ in curve] == ["before training", "epoch 0", "epoch 1"]
+    assert all(
+        "(2 processes, cpu)" in line for line in result.stdout.splitlines() if "held-out" in line
+    )
+    from transformers import LlamaForCausalLM
+
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "model")  # whole, gathered weights
+    assert saved.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)

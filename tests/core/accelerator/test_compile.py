@@ -70,3 +70,18 @@ def test_inductor_backend_trains_on_cpu():
         acc.backward(loss)
         optimizer.step()
     assert loss.item() < first.item()
+
+
+def test_settings_not_given_come_from_accelerate_launchs_variables(monkeypatch):
+    assert TorchDynamoPlugin().to_kwargs() == {}
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "AOT_EAGER")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "reduce-overhead")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "true")
+    plugin = TorchDynamoPlugin()
+    assert plugin.to_kwargs() == {
+        "backend": "aot_eager",
+        "mode": "reduce-overhead",
+        "fullgraph": True,
+    }
+    assert TorchDynamoPlugin(backend="no").backend == "no"  # an argument wins
+    assert Accelerator().dynamo_plugin.backend == "aot_eager"  # started by accelerate launch

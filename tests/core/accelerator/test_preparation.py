@@ -116,3 +116,43 @@ def test_an_accelerator_with_prepared_objects_pickles():
         assert result["state"] and result["batches"] and result["class"]
         assert result["callback_owner"], "the copy's passes reach the copy's callbacks"
         assert result["gathered"] == list(range(8))
+
+
+def _evaluation_mode() -> dict:
+    acc = Accelerator(dynamo_backend="eager")
+    original = nn.Linear(3, 1)
+    model = acc.prepare_model(original, evaluation_mode=True)
+    seen = {
+        "evaluation": type(model._orig_mod).__name__,
+        "kept_compiled": acc.unwrap_model(model, keep_torch_compile=True) is model,
+        "plain": acc.unwrap_model(model) is original,
+        "registered": any(m is model for m in acc._models),
+    }
+    # Training prepares it again: now it is wrapped for data parallelism.
+    trained = acc.prepare(original)
+    seen["training"] = type(trained._orig_mod).__name__
+    # A compiled DDP wrapper is not rewired: a new compiled wrapper of the user's module.
+    kept = acc.unwrap_model(trained, keep_torch_compile=True)
+    seen["compiled_ddp_unwraps_plain"] = kept is not trained and kept._orig_mod is original
+    return seen
+
+
+def test_a_model_prepared_for_evaluation_gets_no_ddp_wrapper_until_training():
+    for seen in run_distributed(_evaluation_mode):
+        assert seen == {
+            "evaluation": "Linear",
+            "kept_compiled": True,
+            "plain": True,
+            "registered": True,
+            "training": "DistributedDataParallel",
+            "compiled_ddp_unwraps_plain": True,
+        }
+
+
+def test_gather_for_metrics_on_one_process_cuts_the_final_batch_to_its_samples():
+    # Trainer's evaluation repeats each batch's mean loss `batch_size` times; Accelerate cuts
+    # the final, short batch to its real samples (gradient_state.remainder) on one process too.
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=4))
+    sizes = [len(acc.gather_for_metrics(torch.zeros(4))) for _ in loader]
+    assert sizes == [4, 4, 2]

@@ -4,6 +4,7 @@ _reset_state, destroy_process_group and the job's distributed type."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -129,3 +130,26 @@ def test_every_accelerate_distributed_type_is_a_member():
     state = PartialState()
     with pytest.raises(ValueError):
         state.state.distributed_type = "NOT_A_TYPE"
+
+
+def test_a_loop_that_accumulates_itself_sets_the_sync_step():
+    # transformers' Trainer: accumulation plugin num_steps=1, the loop says which
+    # micro-step synchronises; the optimizer steps only on those.
+    accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
+    model = nn.Linear(2, 1)
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=1.0))
+    state = accelerator.gradient_state
+    assert state.plugin_kwargs == {
+        "num_steps": 1,
+        "adjust_scheduler": True,
+        "sync_with_dataloader": True,
+        "sync_each_batch": False,
+    }
+    before = model.weight.detach().clone()
+    model(torch.ones(1, 2)).sum().backward()
+    state._set_sync_gradients(False)
+    optimizer.step()
+    assert accelerator.sync_gradients is False and torch.equal(model.weight, before)
+    state._set_sync_gradients(True)
+    optimizer.step()
+    assert not torch.equal(model.weight, before) and accelerator.step == 1

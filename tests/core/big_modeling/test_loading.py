@@ -36,7 +36,7 @@ def test_missing_unexpected_and_misshapen_keys_are_named_and_nothing_is_loaded(t
     _save(tmp_path / "bad.safetensors", state)
     model = _empty()
     with pytest.raises(CheckpointError) as caught:
-        load_checkpoint_in_model(model, tmp_path / "bad.safetensors")
+        load_checkpoint_in_model(model, tmp_path / "bad.safetensors", strict=True)
     message = str(caught.value)
     assert "does not fit Stack" in message and "Nothing was loaded" in message
     assert "missing 'blocks.2.up.bias'" in message
@@ -45,12 +45,13 @@ def test_missing_unexpected_and_misshapen_keys_are_named_and_nothing_is_loaded(t
     assert all(p.is_meta for p in model.parameters()), "the model is untouched"
 
 
-def test_strict_false_ignores_unknown_keys_but_never_missing_weights(tmp_path, stack):
+def test_by_default_unknown_keys_are_ignored_but_never_missing_weights(tmp_path, stack, caplog):
+    """Accelerate's default (strict=False): a logged warning for the keys left out."""
     state = {k: v.clone() for k, v in stack.state_dict().items() if k != "head.weight"}
     _save(tmp_path / "extra.safetensors", {**state, "old.inv_freq": torch.ones(2)})
     model = _empty()
-    with pytest.warns(UserWarning, match="ignoring 'old.inv_freq'"):
-        load_checkpoint_in_model(model, tmp_path / "extra.safetensors", strict=False)
+    load_checkpoint_in_model(model, tmp_path / "extra.safetensors")
+    assert "were not used when loading Stack: 'old.inv_freq'" in caplog.text
     assert torch.equal(model.blocks[3].up.weight, stack.blocks[3].up.weight)
     state.pop("blocks.3.up.weight")
     _save(tmp_path / "short.safetensors", state)
@@ -58,11 +59,11 @@ def test_strict_false_ignores_unknown_keys_but_never_missing_weights(tmp_path, s
         load_checkpoint_in_model(_empty(), tmp_path / "short.safetensors", strict=False)
     built = Stack()  # real (random) weights: strict=False keeps the one that is missing
     kept = built.blocks[3].up.weight.clone()
-    with pytest.warns(UserWarning, match="lacks 'blocks.3.up.weight'"):
-        load_checkpoint_in_model(built, tmp_path / "short.safetensors", strict=False)
+    load_checkpoint_in_model(built, tmp_path / "short.safetensors")
+    assert "lacks 'blocks.3.up.weight'; they keep their current values" in caplog.text
     assert torch.equal(built.blocks[3].up.weight, kept)
     with pytest.raises(CheckpointError, match="missing"):
-        load_checkpoint_in_model(Stack(), tmp_path / "short.safetensors")
+        load_checkpoint_in_model(Stack(), tmp_path / "short.safetensors", strict=True)
 
 
 def test_disk_tensors_point_at_the_checkpoint_files(tmp_path, stack, stack_checkpoint):
@@ -167,3 +168,18 @@ def test_peak_memory_is_what_stays_loaded_plus_one_tensor(tmp_path):
     layer = 1024 * 1025 * 4
     assert peaks["all"] < 24 * layer * 1.15, "never the model twice"
     assert peaks["two-layers"] < 3 * layer + 8 * 2**20, "two layers resident, one in flight"
+
+
+def test_an_index_may_be_a_bare_map_of_names_to_files(tmp_path, stack, stack_checkpoint):
+    """transformers' index holds {"weight_map": {...}}; Accelerate also reads a plain map."""
+    import json
+
+    (index,) = stack_checkpoint.glob("*.index.json")
+    bare = stack_checkpoint / "bare.json"
+    bare.write_text(json.dumps(json.loads(index.read_text())["weight_map"]))
+    model = _empty()
+    load_checkpoint_in_model(model, bare, strict=True)
+    assert torch.equal(model.blocks[1].up.weight, stack.blocks[1].up.weight)
+    bare.write_text(json.dumps({"weights": ["model.safetensors"]}))
+    with pytest.raises(CheckpointError, match="must map tensor names to files"):
+        load_checkpoint_in_model(_empty(), bare)

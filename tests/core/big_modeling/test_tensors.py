@@ -28,7 +28,11 @@ def test_set_module_tensor_keeps_class_and_converts_to_the_current_dtype():
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
-        ("0.weight", torch.ones(3, 3), r"shape \(3, 3\) at '0.weight', which has shape \(2, 2\)"),
+        (
+            "0.weight",
+            torch.ones(3, 3),
+            r'shape torch.Size\(\[3, 3\]\) in "weight" \(which has shape torch.Size\(\[2, 2\]\)\)',
+        ),
         (
             "0.scale",
             None,

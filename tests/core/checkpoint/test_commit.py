@@ -179,7 +179,7 @@ def test_not_a_checkpoint_and_incomplete_checkpoints(tmp_path: Path):
 
 
 def test_register_for_checkpointing_rejects_plain_objects():
-    with pytest.raises(TypeError, match=r"not: argument 1 \(int\)"):
+    with pytest.raises(ValueError, match=r"have not: Item at index 1 \(int\)"):
         Accelerator().register_for_checkpointing(torch.optim.SGD([torch.zeros(1)], 0.1), 3)
 
 

@@ -165,7 +165,7 @@ accelerator = Accelerator(cpu=True, deepspeed_plugins=None)
 notebook_launcher(print, (), 2, use_port="29501", no_such_keyword=1)
 gather(x, not_a_keyword=True)
 other = accelerate.Accelerator(torch_tp_plugin=None)
-accelerator.unwrap_model(model, keep_torch_compile=False)
+accelerator.unwrap_model(model, keep_torch_compile=False, keep_hooks=True)
 accelerator.state
 accelerator.lomo_backward(loss, 0.1)
 accelerate.prepare_pippy(model)
@@ -182,8 +182,9 @@ def test_keywords_and_members_slipstream_lacks_are_reported():
     assert (7, "`gather(..., not_a_keyword=...)`: slipstream's takes no `not_a_keyword`") in found
     assert (8, "`accelerate.Accelerator(..., torch_tp_plugin=...)`: slipstream's takes no "
             "`torch_tp_plugin`") in found  # fmt: skip
-    assert (9, "`accelerator.unwrap_model(..., keep_torch_compile=...)`: slipstream's takes no "
-            "`keep_torch_compile`") in found  # fmt: skip
+    assert (9, "`accelerator.unwrap_model(..., keep_hooks=...)`: slipstream's takes no "
+            "`keep_hooks`") in found  # fmt: skip
+    assert not any("takes no `keep_torch_compile`" in m for _, m in found)
     assert not any("takes no `use_port`" in m for _, m in found)
     # An instance attribute is a member too (provided), but the table has no row for it.
     assert (10, "`state` (Accelerator) has no row in the compatibility table: check "

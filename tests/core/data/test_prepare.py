@@ -243,10 +243,37 @@ def test_prepare_data_loader_on_one_process():
     assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
     stream = prepare_data_loader(DataLoader(Stream(), batch_size=4), dispatch_batches=True)
     assert isinstance(stream, DataLoaderShard), "one process has nothing to dispatch"
+    # A job of one process may build another layout's shard (Accelerate's tests do).
+    other = prepare_data_loader(DataLoader(range(6), batch_size=1), None, 2, 1)
+    assert [b.tolist() for b in other] == [[1], [3], [5]]
     with pytest.raises(ValueError, match="does not describe this process"):
-        prepare_data_loader(DataLoader(range(4)), 2, 2, 1)
+        prepare_data_loader(DataLoader(range(4)), None, 2, 2)
+    items = prepare_data_loader(DataLoader(Stream(), batch_size=None))  # items are batches
+    assert list(items) == list(range(10))
     kinds = [RNGType.TORCH, RNGType.GENERATOR]  # "generator": the shuffle's, always in step
     assert prepare_data_loader(DataLoader(range(4)), rng_types=kinds).rng_types == ["torch"]
     set_seed(3)
     shuffled = prepare_data_loader(DataLoader(range(8), batch_size=4, shuffle=True))
     assert sorted(i for b in shuffled for i in b.tolist()) == list(range(8))
+
+
+def test_shuffle_without_a_generator_is_accelerates_for_the_same_seed():
+    # Accelerate seeds its sampler with torch.initial_seed() (what set_seed sets): the same
+    # order here, epoch after epoch, and preparing draws nothing from torch's RNG.
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    set_seed(5)
+    theirs = data_loader.SeedableRandomSampler(range(12))
+    expected = []
+    for epoch in range(2):
+        theirs.set_epoch(epoch)
+        expected.append(list(theirs))
+    set_seed(5)
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=4, shuffle=True))
+    assert torch.initial_seed() == 5 and torch.randint(0, 10**6, ()) == _first_draw(5)
+    ours = [[i for (b,) in loader for i in b.tolist()] for _ in range(2)]
+    assert ours == expected
+
+
+def _first_draw(seed: int) -> torch.Tensor:
+    return torch.randint(0, 10**6, (), generator=torch.Generator().manual_seed(seed))

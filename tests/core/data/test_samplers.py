@@ -60,8 +60,10 @@ def test_even_batches_cover_everything_with_duplicates_only_at_the_end(n, batch,
     if real is None:
         assert flat == list(range(n))
     else:
-        full = flat[: len(flat) - world * batch]
-        tail = flat[len(flat) - world * batch :]
+        # The final global batch: completed to world x batch, or one process's short batch.
+        size = world * batch if world > 1 else real
+        full = flat[: len(flat) - size]
+        tail = flat[len(flat) - size :]
         assert full + tail[:real] == list(range(n)), "real samples first, in order"
         assert set(tail[real:]) <= set(range(n)), "completion reuses dataset samples"
     if n and world > 1:

@@ -84,7 +84,10 @@ def test_invalid_values_are_rejected_when_built(kwargs, message):
 
 
 def test_context_parallel_communication_strategy_is_checked():
-    with pytest.raises(ParallelismConfigError, match="cp_comm_strategy must be one of"):
+    with pytest.raises(
+        ParallelismConfigError,
+        match="cp_comm_strategy must be one of allgather, alltoall, got 'ring'",
+    ):
         TorchContextParallelConfig(cp_comm_strategy="ring")
 
 

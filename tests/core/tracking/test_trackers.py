@@ -71,9 +71,52 @@ def test_custom_tracker_objects_and_get_tracker():
 def test_bad_tracker_configuration():
     with pytest.raises(ValueError, match="unknown tracker 'tensorbored'"):
         Accelerator(log_with="tensorbored")
-    acc = Accelerator(log_with="csv")
-    with pytest.raises(ValueError, match=r"give Accelerator\(project_dir=\.\.\.\)"):
-        acc.init_trackers("x")
+    # A tracker that writes files needs a folder: refused when the Accelerator is made.
+    with pytest.raises(ValueError, match=r"`csv` requires a `logging_dir`: give Accelerator\("):
+        Accelerator(log_with="csv")
+
+
+class Opened(Recorder):
+    """Opens what it writes to in start(), as Accelerate's trackers do."""
+
+    name = "opened"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str = "", **kwargs) -> None:
+        super().__init__()
+        self.run_name, self.options, self.events = run_name, kwargs, []
+
+    def start(self):
+        self.events.append("start")
+
+    def store_init_configuration(self, values):
+        self.events.append(("config", values))
+
+
+def test_trackers_are_started_before_anything_is_recorded():
+    opened = Opened()
+    acc = Accelerator(log_with=opened)
+    acc.init_trackers("run", config={"lr": 1})
+    assert opened.events == ["start", ("config", {"lr": 1})]
+
+
+def test_a_registered_tracker_class_is_started_by_name(tmp_path):
+    from slipstream.tracking import LOGGER_TYPE_TO_CLASS, register_tracker_class
+
+    try:
+        register_tracker_class(Opened)
+        acc = Accelerator(log_with="opened")
+        acc.init_trackers("run", init_kwargs={"opened": {"tag": "x"}})
+        tracker = acc.get_tracker("opened")
+        assert isinstance(tracker, Opened) and tracker.run_name == "run"
+        assert tracker.options == {"tag": "x"} and tracker.events == ["start"]
+        with pytest.warns(UserWarning, match="'opened' is registered already"):
+            register_tracker_class(Opened)
+        for bad, message in ((dict, "subclass of GeneralTracker"), (Recorder, "must set")):
+            with pytest.raises(ValueError, match=message):
+                register_tracker_class(bad)
+    finally:
+        LOGGER_TYPE_TO_CLASS.pop("opened", None)
 
 
 def _two_processes(folder: str) -> list:

@@ -31,7 +31,7 @@ def test_cleaning_keeps_one_name_per_storage_and_makes_tensors_contiguous(caplog
     state = {"embed": shared, "head": shared, "t": shared.t(), "step": 3}
     cleaned = clean_state_dict_for_safetensors(state)
     assert list(cleaned) == ["embed", "step"]
-    assert "removed tensors that share memory" in caplog.text and "'head'" in caplog.text
+    assert "Removed shared tensor" in caplog.text and "'head'" in caplog.text
     assert clean_state_dict_for_safetensors({"t": torch.ones(2, 3).t()})["t"].is_contiguous()
 
 
@@ -215,3 +215,28 @@ def test_a_merge_failing_on_the_main_process_raises_on_every_process(tmp_path: P
             message
             == f"process 0: ConfigError: {tmp_path}/missing does not exist: pass the folder save_state wrote"
         )
+
+
+def test_fsdp_optimizer_helpers_save_through_the_strategy_and_refuse_what_they_cannot(tmp_path):
+    from slipstream import Accelerator, FullyShardedDataParallelPlugin
+    from slipstream.utils import load_fsdp_optimizer, save_fsdp_optimizer
+
+    accelerator = Accelerator()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    plugin = accelerator.state.fsdp_plugin  # None: the strategy's own (full) layout
+    save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(tmp_path))
+    assert (tmp_path / "optimizer.bin").exists()
+    saved = optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(tmp_path))
+    assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], saved)
+    sharded = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
+    with pytest.raises(ValueError, match="use_dcp=True"):
+        save_fsdp_optimizer(sharded, accelerator, optimizer, model, str(tmp_path), use_dcp=False)
+    with pytest.raises(ValueError, match=r"pass accelerator\.state\.fsdp_plugin"):
+        save_fsdp_optimizer(sharded, accelerator, optimizer, model, str(tmp_path))

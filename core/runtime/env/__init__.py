@@ -8,15 +8,39 @@ JSON variable, :data:`LAUNCH_CONFIG_VARIABLE`.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# Accelerate's environment helpers (``slipstream.utils``) live beside this module.
+from .helpers import (
+    _YES as _YES,
+)
+from .helpers import (
+    clear_environment as clear_environment,
+)
+from .helpers import (
+    get_int_from_env as get_int_from_env,
+)
+from .helpers import (
+    parse_choice_from_env as parse_choice_from_env,
+)
+from .helpers import (
+    parse_flag_from_env as parse_flag_from_env,
+)
+from .helpers import (
+    patch_environment as patch_environment,
+)
+from .helpers import (
+    purge_accelerate_environment as purge_accelerate_environment,
+)
+from .helpers import (
+    str_to_bool as str_to_bool,
+)
 
 #: JSON object with the launcher's resolved configuration (mixed precision, cpu, strategy...).
 LAUNCH_CONFIG_VARIABLE = "SLIPSTREAM_LAUNCH_CONFIG"
@@ -34,10 +58,6 @@ REPORT_DIR_VARIABLE = "SLIPSTREAM_REPORT_DIR"
 #: torch's Flight Recorder: how many collectives each process keeps (torch's current name;
 #: the second, NCCL-only name is the one older versions read: a user's setting of it wins).
 FLIGHT_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-
-#: The values :func:`str_to_bool` reads as true and as false.
-_YES = ("y", "yes", "t", "true", "on", "1")
-_NO = ("n", "no", "f", "false", "off", "0")
 
 
 class LaunchEnvironmentError(ValueError):
@@ -305,125 +325,37 @@ def is_set(name: str) -> bool:
     return name in os.environ
 
 
-# -- Accelerate's environment helpers (``slipstream.utils``) ---------------------------------
+#: Accelerate's launcher hands the layout to its workers in these (``accelerate launch
+#: --parallelism_config_tp_size 2`` or a config file's ``parallelism_config`` block).
+PARALLELISM_PREFIX = "PARALLELISM_CONFIG_"
 
 
-def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
-    """1 (or True with ``to_bool``) for y/yes/t/true/on/1, 0 (False) for n/no/f/false/off/0.
-
-    Example::
-
-        str_to_bool("Yes")                # 1
-        str_to_bool("off", to_bool=True)  # False
-    """
-    lowered = value.lower()
-    if lowered in _YES:
-        return True if to_bool else 1
-    if lowered in _NO:
-        return False if to_bool else 0
-    raise ValueError(f"invalid truth value {value!r}; use one of {', '.join(_YES + _NO)}")
+def parallelism_environment() -> dict[str, str]:
+    """``PARALLELISM_CONFIG_*`` by option: ``PARALLELISM_CONFIG_TP_SIZE=2`` -> ``{"tp_size": "2"}``."""
+    return {
+        key.removeprefix(PARALLELISM_PREFIX).lower(): value
+        for key, value in os.environ.items()
+        if key.startswith(PARALLELISM_PREFIX)
+    }
 
 
-def get_int_from_env(env_keys: list[str] | tuple[str, ...], default: int) -> int:
-    """The first of ``env_keys`` set to a non-negative integer, else ``default``."""
-    for key in env_keys:
-        value = int(os.environ.get(key, -1))
-        if value >= 0:
-            return value
-    return default
+def device_override() -> str | None:
+    """Accelerate's ``ACCELERATE_TORCH_DEVICE``: the device every process uses, if set."""
+    return os.environ.get("ACCELERATE_TORCH_DEVICE") or None
 
 
-def parse_flag_from_env(key: str, default: bool = False) -> bool:
-    """Whether the variable ``key`` holds a true value (``default`` when unset)."""
-    return str_to_bool(os.environ.get(key, str(default))) == 1
+def accelerate_layout_requested() -> bool:
+    """Whether ``accelerate launch`` set ``ACCELERATE_USE_PARALLELISM_CONFIG=true``."""
+    return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() in _YES
 
 
-def parse_choice_from_env(key: str, default: str = "no") -> str:
-    """The value of the variable ``key``, or ``default`` when unset."""
-    return os.environ.get(key, str(default))
-
-
-@contextlib.contextmanager
-def patch_environment(**kwargs: Any) -> Iterator[None]:
-    """Set the variables ``kwargs`` (names upper-cased, values as strings) inside the block;
-    restore or remove them afterwards.
-
-    Example::
-
-        with patch_environment(master_port=29501):
-            ...  # MASTER_PORT=29501 here
-    """
-    names = [key.upper() for key in kwargs]
-    saved = {name: os.environ[name] for name in names if name in os.environ}
-    for name, value in zip(names, kwargs.values(), strict=True):
-        os.environ[name] = str(value)
-    try:
-        yield
-    finally:
-        for name in names:
-            if name in saved:
-                os.environ[name] = saved[name]
-            else:
-                os.environ.pop(name, None)
-
-
-@contextlib.contextmanager
-def clear_environment() -> Iterator[None]:
-    """Run the block with an empty environment; the previous one is back afterwards."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-@contextlib.contextmanager
-def _restoring_prefixed(prefixes: tuple[str, ...]) -> Iterator[None]:
-    saved = {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
-    try:
-        yield
-    finally:
-        for key in [k for k in os.environ if k.startswith(prefixes)]:
-            if key not in saved:
-                del os.environ[key]
-        os.environ.update(saved)
-
-
-def purge_accelerate_environment(func_or_cls: Any) -> Any:
-    """Decorate a function (or every ``test*`` method of a class, subclasses included) so
-    that ``ACCELERATE_*`` and ``SLIPSTREAM_*`` variables it sets are undone when it returns.
-    """
-    prefixes = ("ACCELERATE_", "SLIPSTREAM_")
-
-    def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
-        if getattr(function, "_purges_environment", False):
-            return function
-
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with _restoring_prefixed(prefixes):
-                return function(*args, **kwargs)
-
-        wrapper._purges_environment = True  # type: ignore[attr-defined]
-        return wrapper
-
-    if not isinstance(func_or_cls, type):
-        return wrap(func_or_cls)
-
-    def wrap_tests(cls: type) -> type:
-        for name in dir(cls):
-            method = getattr(cls, name)
-            if name.startswith("test") and callable(method):
-                setattr(cls, name, wrap(method))
-        return cls
-
-    wrap_tests(func_or_cls)
-    func_or_cls.__init_subclass__ = classmethod(  # type: ignore[assignment]
-        lambda cls, **kw: wrap_tests(cls)
-    )
-    return func_or_cls
+def dynamo_environment() -> dict[str, str]:
+    """``accelerate launch``'s ``torch.compile`` settings (``ACCELERATE_DYNAMO_BACKEND`` ->
+    ``{"backend": ...}``, ``MODE``, ``USE_FULLGRAPH``, ``USE_DYNAMIC``)."""
+    prefix = "ACCELERATE_DYNAMO_"
+    return {
+        k.removeprefix(prefix).lower(): v for k, v in os.environ.items() if k.startswith(prefix)
+    }
 
 
 def agent_logs_requested(environ: Mapping[str, str] | None = None) -> bool:
