@@ -64,13 +64,36 @@ def logs(out: Path) -> dict[str, list[dict]]:
     }
 
 
+def checkpoint_restart(
+    folder: Path, saved: Path, reached: int, sleep: float, every: int
+) -> tuple[float, int]:
+    """Relaunch the job from the latest checkpoint in ``saved`` up to step ``reached``:
+    the seconds from the relaunch until it is back there, and the step it restarted from."""
+    again = folder / "again"
+    again.mkdir()
+    flags = ["--step-sleep", str(sleep), "--checkpoint", str(saved),
+             "--checkpoint-every", str(every), "--resume"]  # fmt: skip
+    started = time.time()
+    result = run_fault_tolerant_job(
+        JOB, again, [str(reached), *flags], processes=2, groups=2, timeout=240
+    )
+    if result.returncode:
+        raise SystemExit(result.stdout[-3000:])
+    rows = [r for r in logs(again)["replica0-rank0-life0"] if "step" in r]
+    back = max(r["time"] for r in rows if r["step"] == reached - 1) - started
+    return back, rows[0]["step"]
+
+
 def recovery(quick: bool) -> None:
-    steps, sleep, every = ("8" if quick else "50"), 0.1, 4
+    steps, sleep, every = ("6" if quick else "50"), 0.1, (2 if quick else 4)
     with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder)
+        out, saved = Path(folder) / "kill", Path(folder) / "checkpoints"
+        out.mkdir()
+        # --quick: this job's checkpoints serve the checkpoint restart below (one job less).
+        saving = ["--checkpoint", str(saved), "--checkpoint-every", str(every)] if quick else []
         result = run_fault_tolerant_job(
             JOB, out, [steps, "--die-at", "3", "--die-mode", "allreduce", "--step-sleep",
-                       str(sleep), "--until-rejoined"],
+                       str(sleep), "--until-rejoined", *saving],
             processes=2, groups=2, timeout=240,
         )  # fmt: skip
         if result.returncode:
@@ -86,30 +109,24 @@ def recovery(quick: bool) -> None:
         killed_at = victim[-1]["time"] + sleep + 0.5
         rejoin = reborn[0]["time"] - killed_at
         rejoined_at = reborn[0]["step"]
+        if quick:  # back one step past the latest checkpoint
+            reached = max(int(path.name[5:]) for path in saved.glob("step_*")) + 1
+            back, first_redone = checkpoint_restart(Path(folder), saved, reached, sleep, every)
     # Checkpoint restart: the same job ran to step `reached` with a checkpoint every 4
     # steps, then died whole; the relaunch loads the latest one and redoes the rest.
-    reached = 6 if quick else 10
-    with tempfile.TemporaryDirectory() as folder:
-        out, saved = Path(folder) / "first", Path(folder) / "checkpoints"
-        out.mkdir()
-        flags = ["--step-sleep", str(sleep), "--checkpoint", str(saved),
-                 "--checkpoint-every", str(every)]  # fmt: skip
-        result = run_fault_tolerant_job(
-            JOB, out, [str(reached), *flags], processes=2, groups=2, timeout=240
-        )
-        if result.returncode:
-            raise SystemExit(result.stdout[-3000:])
-        again = Path(folder) / "again"
-        again.mkdir()
-        started = time.time()
-        result = run_fault_tolerant_job(
-            JOB, again, [str(reached), *flags, "--resume"], processes=2, groups=2, timeout=240
-        )
-        if result.returncode:
-            raise SystemExit(result.stdout[-3000:])
-        rows = [r for r in logs(again)["replica0-rank0-life0"] if "step" in r]
-        first_redone = rows[0]["step"]
-        back = max(r["time"] for r in rows if r["step"] == reached - 1) - started
+    if not quick:
+        reached = 10
+        with tempfile.TemporaryDirectory() as folder:
+            out, saved = Path(folder) / "first", Path(folder) / "checkpoints"
+            out.mkdir()
+            flags = ["--step-sleep", str(sleep), "--checkpoint", str(saved),
+                     "--checkpoint-every", str(every)]  # fmt: skip
+            result = run_fault_tolerant_job(
+                JOB, out, [str(reached), *flags], processes=2, groups=2, timeout=240
+            )
+            if result.returncode:
+                raise SystemExit(result.stdout[-3000:])
+            back, first_redone = checkpoint_restart(Path(folder), saved, reached, sleep, every)
     print("| measure | value |")
     print("|---|---|")
     print(
@@ -284,6 +301,7 @@ class HandTorchft(HandDDP):
 #: DiLoCo's sync intervals measured against per-step fault tolerance and DDP.
 EVERY = (1, 8, 32)
 BLOCK = 32  # steps per variant and round in the semi-synchronous comparison
+QUICK_BLOCK = 4  # --quick: 4 rounds of 4 steps (DiLoCo every 8 steps still syncs)
 
 
 def _diloco(every: int, lighthouse: str) -> type[FaultTolerant]:
@@ -294,8 +312,9 @@ def _diloco(every: int, lighthouse: str) -> type[FaultTolerant]:
 
 
 def overhead_worker(
-    port: int, generations: int, rounds: int, timed: int, size: int, *lighthouses: str
-) -> None:
+    port: int, generations: int, rounds: int, timed: int, size: int, block: int,
+    *lighthouses: str,
+) -> None:  # fmt: skip
     import torch.distributed as dist
 
     global WIDTH, LAYERS, BATCH
@@ -337,28 +356,30 @@ def overhead_worker(
         "ratio": workers.median_ratio(ft, [hand]),
         "interval": workers.median_ratio_interval(ft, [hand], timed),
     }
-    report["semi"] = semi_synchronous(workers, rounds, lighthouses[1:])
+    report["semi"] = semi_synchronous(workers, rounds, block, lighthouses[1:])
     if rank == 0:
         workers.report(report)
     dist.destroy_process_group()
 
 
-def semi_synchronous(workers: Any, rounds: int, lighthouses: tuple[str, ...]) -> dict[str, Any]:
-    """Blocks of :data:`BLOCK` steps: DDP by hand, per-step fault tolerance, DiLoCo every H
+def semi_synchronous(
+    workers: Any, rounds: int, block: int, lighthouses: tuple[str, ...]
+) -> dict[str, Any]:
+    """Blocks of ``block`` steps: DDP by hand, per-step fault tolerance, DiLoCo every H
     steps; per variant the median block ratio to DDP (with its 95% interval over rounds)
     and the bytes sent per step."""
     import torch.distributed as dist
 
     kinds: list[Any] = [HandDDP, FaultTolerant, *map(_diloco, EVERY, lighthouses)]
-    runs = [kind(rounds * BLOCK) for kind in kinds]
+    runs = [kind(rounds * block) for kind in kinds]
     wall: dict[str, list[float]] = {run.name: [] for run in runs}
     cpu: dict[str, list[float]] = {run.name: [] for run in runs}
-    workers.time_rounds(runs, rounds, BLOCK, 0, wall, cpu)
-    steps = rounds * BLOCK
+    workers.time_rounds(runs, rounds, block, 0, wall, cpu)
+    steps = rounds * block
     params = sum(p.numel() * p.element_size() for p in _model().parameters())
     ring = 2 * (dist.get_world_size() - 1) / dist.get_world_size()
     blocks = {
-        name: [sum(values[i : i + BLOCK]) for i in range(BLOCK, len(values), BLOCK)]
+        name: [sum(values[i : i + block]) for i in range(block, len(values), block)]
         for name, values in wall.items()  # (the first round warms up)
     }
     result: dict[str, Any] = {}
@@ -366,7 +387,7 @@ def semi_synchronous(workers: Any, rounds: int, lighthouses: tuple[str, ...]) ->
         sent = run.bytes_sent() if hasattr(run, "bytes_sent") else -1
         ratios = [v / b for v, b in zip(blocks[run.name], blocks["torch"], strict=True)]
         result[run.name] = {
-            "step_ms": 1e3 * statistics.median(blocks[run.name]) / BLOCK,
+            "step_ms": 1e3 * statistics.median(blocks[run.name]) / block,
             "ratio": statistics.median(ratios),
             "interval": _interval(ratios),
             "bytes_per_step": sent / steps if sent >= 0 else ring * params,
@@ -396,6 +417,7 @@ def overhead(quick: bool, sizes: list[str]) -> None:
     for name in sizes:
         width, layers, batch, full, short = SIZES[name]
         generations, rounds, timed = short if quick else full
+        block = QUICK_BLOCK if quick else BLOCK
         with ExitStack() as stack:
             # One for the hand-written torchft loop, one per DiLoCo interval.
             lighthouses = [
@@ -406,7 +428,7 @@ def overhead(quick: bool, sizes: list[str]) -> None:
                        "--fault_tolerance", "--ft_heartbeat_timeout", "2", "--ft_min_replicas", "2",
                        __file__, "--worker",
                        str(free_port()), str(generations), str(rounds), str(timed),
-                       str(list(SIZES).index(name)), *lighthouses]  # fmt: skip
+                       str(list(SIZES).index(name)), str(block), *lighthouses]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
             done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
         reports = [
@@ -423,7 +445,7 @@ def overhead(quick: bool, sizes: list[str]) -> None:
         low, high = versus["interval"]
         print(f"{name:6s} fault-tolerant vs the hand-written torchft loop: "
               f"{versus['ratio']:.3f}x ({low:.3f}-{high:.3f})")  # fmt: skip
-        print(f"{name}: blocks of {BLOCK} steps against hand-written DDP")
+        print(f"{name}: blocks of {block} steps against hand-written DDP")
         for variant, row in result["semi"].items():
             low, high = row["interval"]
             print(f"{name:6s} {variant:15s} step {row['step_ms']:8.3f} ms  ratio "
@@ -442,7 +464,7 @@ def main() -> None:
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        overhead_worker(*map(int, args.worker[:5]), *args.worker[5:])
+        overhead_worker(*map(int, args.worker[:6]), *args.worker[6:])
         return
     if not args.overhead:
         recovery(args.quick)
