@@ -48,6 +48,9 @@ model(torch.ones(2, 4)).sum().backward()
 if dist.get_rank() == 0:
     with open(sys.argv[1], "w") as handle:
         handle.write(str(time.time()))
+# (a rank leaving while the others still finish the all-reduce would fail them)
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
@@ -69,12 +72,14 @@ def _children_cpu() -> float:
 def _first_step(command: list[str], marker: str) -> float:
     cpu = _children_cpu()
     start = time.time()
-    subprocess.run(
+    done = subprocess.run(
         [*command, marker],
-        check=True,
         capture_output=True,
+        text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     # (every process of the tree was waited for by its parent, so its CPU time is counted)
     CPU_SECONDS.setdefault(tuple(command), []).append(_children_cpu() - cpu)
     with open(marker) as handle:
