@@ -8,8 +8,8 @@ enable_flight_recorder` before the process group forms) records the collectives 
 for DDP, FSDP2 and direct ``torch.distributed`` calls; this log adds slipstream's names
 (``gather``, ``wait_for_everyone``...) and is all there is where torch has no recorder.
 
-Recording costs two attribute writes per optimizer step (the watchdog, waking every few
-seconds, notices the step count move and times it itself) and about a microsecond per
+Recording costs a few attribute writes per optimizer step (the watchdog, waking every few
+seconds, notices the count of marked steps move and times it itself) and about a microsecond per
 slipstream collective; backward is timed only while a ``StragglerMonitor`` asks for it.
 
 Example::
@@ -61,13 +61,17 @@ class Progress:
     backward_seconds: float = 0.0
     backward_end: float = 0.0
     time_backward: bool = False
-    #: The step the watchdog saw last, and when it saw it move (``time.monotonic``).
+    #: Optimizer steps marked so far (skipped ones and later runs' included: the step
+    #: number may repeat, this count does not), the count the watchdog saw last and when
+    #: it saw it move (``time.monotonic``).
+    _marks: int = 0
     _seen: tuple[int, float] = (0, 0.0)
 
     def mark_step(self, step: int) -> None:
         """An optimizer step completed (called by the step coordinator): no clock is read
         here; :meth:`last_progress` times the step count's moves."""
         self.step = step
+        self._marks += 1
         self.armed = True
         mirror = flight_file._file
         if mirror is not None:  # (read by the launcher if this process dies)
@@ -75,12 +79,12 @@ class Progress:
 
     def last_progress(self) -> float:
         """When this process last made progress (``time.monotonic``): the last collective
-        or checkpoint, or the first look after the step count moved (called by the
+        or checkpoint, or the first look after an optimizer step was marked (called by the
         watchdog every few seconds, so a step is timed to within one of its periods)."""
         seen, at = self._seen
-        if self.step != seen:
+        if self._marks != seen:
             at = time.monotonic()
-            self._seen = (self.step, at)
+            self._seen = (self._marks, at)
         return max(self.last, at)
 
     def mark(self) -> None:
