@@ -17,6 +17,7 @@ every library (Python re-adapts its specialised bytecode to the other objects, c
 cold): in a real run one loop runs alone, so that switching cost is not part of its step.
 
     python benchmarks/ddp_overhead.py            # tiny and medium model
+    python benchmarks/ddp_overhead.py --size tiny
     python benchmarks/ddp_overhead.py --quick    # smoke test
 """
 
@@ -223,11 +224,13 @@ def main() -> None:
     parser.add_argument("--generations", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--timed", type=int, help="timed steps per variant and round")
+    parser.add_argument("--size", choices=[*SIZES, "all"], default="all")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.generations, args.rounds, args.timed)
         return
-    for size in ["tiny"] if args.quick else list(SIZES):
+    sizes = list(SIZES) if args.size == "all" else [args.size]
+    for size in ["tiny"] if args.quick else sizes:
         generations, rounds, timed = (1, 2, 2) if args.quick else ROUNDS[size]
         arguments = ["--worker", size,
                      "--generations", str(args.generations or generations),

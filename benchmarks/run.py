@@ -54,7 +54,8 @@ TARGETS = [
     ("startup.py", r"import torch, slipstream", 1.05),
     ("startup.py", r"from slipstream import Accelerator", 1.05),
     ("startup.py", r"slipstream --help", 1.05),
-    ("startup.py", r"launch -n 2", 1.10),
+    # Launch to the first step against torchrun of the same step written by hand, 2-32 processes.
+    ("startup.py", r"launch -n\s*\d+", 1.05),
     ("gather_metrics.py", r"gather_for_metrics", 1.10),
     ("checkpoint_io.py", r"save_state vs torch.save", 1.10),
     ("checkpoint_io.py", r"load_state vs torch.load", 1.10),

@@ -1,9 +1,13 @@
 """Start-up costs: importing slipstream (and its Accelerator) vs ``import torch``,
-``slipstream --help`` vs ``import torch``, and ``slipstream launch -n 2`` vs plain
-``torchrun`` from start to the first training step. Variants alternate which goes first;
-the ratio is the median of the per-repetition ratios.
+``slipstream --help`` vs ``import torch``, and launch to the first training step of a tiny
+DDP model on N CPU processes: ``slipstream launch -n N`` of a slipstream script against
+``torchrun`` of the same step written by hand (``init_process_group`` + DDP), with
+``torchrun`` of the slipstream script between them (what the launcher adds and what the
+script's slipstream parts add, apart). Variants alternate which goes first; the ratio is
+the median of the per-repetition ratios.
 
-    python benchmarks/startup.py
+    python benchmarks/startup.py                      # launch on 2 processes
+    python benchmarks/startup.py --processes 2 8 32   # launch at scale (no import rows)
     python benchmarks/startup.py --quick
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,6 +37,22 @@ if accelerator.is_main_process:
         handle.write(str(time.time()))
 """
 
+HAND_WRITTEN_FIRST_STEP = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+model(torch.ones(2, 4)).sum().backward()
+if dist.get_rank() == 0:
+    with open(sys.argv[1], "w") as handle:
+        handle.write(str(time.time()))
+# (a rank leaving while the others still finish the all-reduce would fail them)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
 
 def _seconds(command: list[str], env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
@@ -39,14 +60,28 @@ def _seconds(command: list[str], env: dict[str, str] | None = None) -> float:
     return time.perf_counter() - start
 
 
+#: CPU seconds (user + system) of each launch command's whole process tree, per run.
+CPU_SECONDS: dict[tuple[str, ...], list[float]] = {}
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _first_step(command: list[str], marker: str) -> float:
+    cpu = _children_cpu()
     start = time.time()
-    subprocess.run(
+    done = subprocess.run(
         [*command, marker],
-        check=True,
         capture_output=True,
+        text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    # (every process of the tree was waited for by its parent, so its CPU time is counted)
+    CPU_SECONDS.setdefault(tuple(command), []).append(_children_cpu() - cpu)
     with open(marker) as handle:
         return float(handle.read()) - start
 
@@ -55,26 +90,85 @@ def _compare(
     ours: Callable[[], float], theirs: Callable[[], float], repeats: int
 ) -> tuple[float, float, float]:
     """Medians of both and the median of per-repetition ratios; which runs first alternates."""
-    pairs = []
+    a, b, ratio = _compare_all([ours, theirs], repeats)
+    return a, b, ratio
+
+
+def _compare_all(variants: list[Callable[[], float]], repeats: int) -> tuple[float, ...]:
+    """Median time of each variant, then the median per-repetition ratio of each to the last;
+    the order rotates from one repetition to the next."""
+    times: list[list[float]] = [[] for _ in variants]
     for repetition in range(repeats):
-        if repetition % 2:
-            b, a = theirs(), ours()
-        else:
-            a, b = ours(), theirs()
-        pairs.append((a, b))
-    return (
-        statistics.median(a for a, _ in pairs),
-        statistics.median(b for _, b in pairs),
-        statistics.median(a / b for a, b in pairs),
-    )
+        shift = repetition % len(variants)
+        for index in [*range(shift, len(variants)), *range(shift)]:
+            times[index].append(variants[index]())
+    medians = [statistics.median(values) for values in times]
+    ratios = [
+        statistics.median(a / b for a, b in zip(values, times[-1], strict=True))
+        for values in times[:-1]
+    ]
+    return (*medians, *ratios)
+
+
+def launch_at_scale(processes: list[int], repeats: int) -> None:
+    python = sys.executable
+    with tempfile.TemporaryDirectory() as folder:
+        scripts = {}
+        for name, text in [("slipstream", FIRST_STEP), ("hand", HAND_WRITTEN_FIRST_STEP)]:
+            scripts[name] = os.path.join(folder, f"first_step_{name}.py")
+            with open(scripts[name], "w") as handle:
+                handle.write(text)
+        marker = os.path.join(folder, "marker")
+        for count in processes:
+            torchrun = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(count),
+                        "--standalone"]  # fmt: skip
+            variants = [
+                [python, "-m", "slipstream.cli", "launch", "-n", str(count), "--cpu",
+                 scripts["slipstream"]],
+                [*torchrun, scripts["slipstream"]],
+                [*torchrun, scripts["hand"]],
+            ]  # fmt: skip
+            ours, mixed, hand, ratio, mixed_ratio = _compare_all(
+                [functools.partial(_first_step, command, marker) for command in variants],
+                repeats,
+            )
+            cpu = [statistics.median(CPU_SECONDS[tuple(c)]) / count for c in variants]
+            print(
+                f"launch -n {count:<3d} to first step: slipstream {ours:6.2f}s, torchrun + "
+                f"slipstream script {mixed:6.2f}s, torchrun + hand-written {hand:6.2f}s  "
+                f"ratio {ratio:.3f}x (torchrun + slipstream script {mixed_ratio:.3f}x); CPU "
+                f"per process {cpu[0]:.2f} / {cpu[1]:.2f} / {cpu[2]:.2f} s"
+            )
+
+
+def compile_bytecode() -> None:
+    """Write slipstream's bytecode caches, as installing a wheel does: a checkout installed
+    in editable mode under ``PYTHONDONTWRITEBYTECODE=1`` would otherwise compile its ~90
+    modules from source in every process (~0.3 s of CPU each), which torch, installed,
+    never does."""
+    import compileall
+    import importlib.util
+
+    for package in ("slipstream", "slipstream.integrations"):
+        spec = importlib.util.find_spec(package)
+        folders = spec.submodule_search_locations if spec is not None else None
+        for folder in folders or []:
+            compileall.compile_dir(folder, quiet=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--processes", type=int, nargs="+", help="launch only, at these process counts"
+    )
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
+    compile_bytecode()
+    if args.processes:
+        launch_at_scale(args.processes, repeats)
+        return
     python = sys.executable
     pairs = {
         "import slipstream vs import torch": (
@@ -95,30 +189,7 @@ def main() -> None:
             functools.partial(_seconds, ours), functools.partial(_seconds, theirs), repeats
         )
         print(f"{label:52s} {a:6.3f}s vs {b:6.3f}s  ratio {ratio:.3f}x")
-    with tempfile.TemporaryDirectory() as folder:
-        script = os.path.join(folder, "first_step.py")
-        with open(script, "w") as handle:
-            handle.write(FIRST_STEP)
-        marker = os.path.join(folder, "marker")
-        launchers = {
-            "slipstream": [python, "-m", "slipstream.cli", "launch", "-n", "2", "--cpu", script],
-            "torchrun": [
-                python,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--standalone",
-                script,
-            ],
-        }
-        a, b, ratio = _compare(
-            functools.partial(_first_step, launchers["slipstream"], marker),
-            functools.partial(_first_step, launchers["torchrun"], marker),
-            repeats,
-        )
-        label = "launch -n 2: start to first step vs torchrun"
-        print(f"{label:52s} {a:6.3f}s vs {b:6.3f}s  ratio {ratio:.3f}x")
+    launch_at_scale([2], repeats)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,14 @@ and joins again. The launcher says each of these once (``replica group replica_1
 replica_0 in 0.4 s``) and ends with a summary line per group. Without ``--fault_tolerance``
 the script trains as any other.
 
+With ``--semi_sync local_sgd`` or ``--semi_sync diloco`` (and ``--sync_every H``) the
+groups train alone and meet every H steps (communication-light training, see
+docs/fault-tolerance.md); the script ends with ``accelerator.end_training()``, which syncs
+what the groups trained since their last meeting.
+
 It prints the held-out loss and accuracy before training and every few steps (from the
-first replica group). Options: --steps N, --lr X, --quick (a short run, for tests).
+first replica group). Options: --steps N, --lr X, --semi_sync METHOD, --sync_every H,
+--outer_lr X and --outer_momentum X (DiLoCo), --quick (a short run, for tests).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from slipstream import Accelerator, FaultToleranceKwargs, set_seed
+from slipstream import Accelerator, FaultToleranceKwargs, SemiSyncKwargs, set_seed
 
 
 def make_dataset(samples: int, generator: torch.Generator) -> TensorDataset:
@@ -53,14 +59,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--semi_sync", choices=["local_sgd", "diloco"], default=None)
+    parser.add_argument("--sync_every", type=int, default=8)
+    parser.add_argument("--outer_lr", type=float, default=0.7)  # DiLoCo's outer SGD
+    parser.add_argument("--outer_momentum", type=float, default=0.9)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     steps = 60 if args.quick else args.steps
 
     # The launcher's --fault_tolerance turns it on; here it is also spelled out.
     launched = bool(os.environ.get("SLIPSTREAM_FT_LIGHTHOUSE"))
+    semi = None
+    if args.semi_sync:
+        semi = SemiSyncKwargs(
+            args.semi_sync,
+            sync_every=args.sync_every,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+        )
     accelerator = Accelerator(
-        fault_tolerance=FaultToleranceKwargs(min_replicas=1, enabled=launched)
+        fault_tolerance=FaultToleranceKwargs(min_replicas=1, enabled=launched, semi_sync=semi)
     )
     set_seed(0)
     train = make_dataset(2048, torch.Generator().manual_seed(1))
@@ -96,6 +114,9 @@ def main() -> None:
                 report(f"step {accelerator.step}")
             if accelerator.step >= steps:
                 break
+    # Semi-synchronous training: sync what the groups trained since they last met.
+    accelerator.end_training()
+    report(f"after {accelerator.step} steps")
     # (The launcher prints what each replica group went through.)
     if speaks:
         print(f"learning rate at the end: {scheduler.get_last_lr()[0]:.6f} (from {args.lr})")

@@ -6,6 +6,7 @@ and :mod:`slipstream.checkpoint.weights`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,7 +137,12 @@ class CheckpointingMixin:
         ``end_training``).
         """
         self.coordinator.finish()
-        return self.checkpointer.save(output_dir, self._training_objects(), async_save=async_save)
+        controller = getattr(self, "fault_tolerance", None)
+        # Semi-synchronous training: the state the open interval started from.
+        view = controller.checkpoint_view() if controller is not None else contextlib.nullcontext()
+        with view:
+            objects = self._training_objects()
+            return self.checkpointer.save(output_dir, objects, async_save=async_save)
 
     def wait_for_checkpoint(self) -> str | None:
         """Finish and commit a pending asynchronous save (collective); its location."""

@@ -58,15 +58,16 @@ class TrainingStepMixin:
         hooks = self.callbacks.callbacks
         if hooks:
             self.callbacks.call("on_before_backward", self, loss)
-        started = time.perf_counter()
+        timed = PROGRESS.time_backward  # (a StragglerMonitor's)
+        started = time.perf_counter() if timed else 0.0
         loss = self._scaled_loss(loss)
         if self.strategy.plain_backward:
             loss.backward(**kwargs)
         else:
             self.strategy.backward(loss, **kwargs)
-        # Where data-parallel processes wait for each other (StragglerMonitor).
-        ended = PROGRESS.backward_end = time.perf_counter()
-        PROGRESS.backward_seconds += ended - started
+        if timed:  # where data-parallel processes wait for each other
+            ended = PROGRESS.backward_end = time.perf_counter()
+            PROGRESS.backward_seconds += ended - started
         if hooks:
             self.callbacks.call("on_after_backward", self)
 
@@ -123,10 +124,12 @@ class TrainingStepMixin:
         hooks = self.callbacks.callbacks
         if hooks:  # forward and backward interleave: there is no loss before backward yet
             self.callbacks.call("on_before_backward", self, None)
-        started = time.perf_counter()
+        timed = PROGRESS.time_backward
+        started = time.perf_counter() if timed else 0.0
         loss = pipeline.train(inputs, target, loss_fn, self._scaled_loss)
-        ended = PROGRESS.backward_end = time.perf_counter()
-        PROGRESS.backward_seconds += ended - started  # the schedule's waits are in here
+        if timed:  # the schedule's waits are in here
+            ended = PROGRESS.backward_end = time.perf_counter()
+            PROGRESS.backward_seconds += ended - started
         if hooks:
             self.callbacks.call("on_after_backward", self)
         return loss

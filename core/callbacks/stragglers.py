@@ -4,8 +4,9 @@ In synchronous data-parallel training every process ends each step at the same m
 gradient exchange waits for the slowest), so step times alone cannot name a straggler. What
 differs is the time a process spends *outside* the backward pass, where the exchange
 waits: fetching data and its forward pass, the optimizer, the script's own code. Each
-process measures per step, from clock reads slipstream takes anyway (the backward pass is
-timed by ``accelerator.backward``, each batch of a prepared dataloader as it is handed over):
+process measures per step, from clock reads taken only while a monitor exists (the backward
+pass is timed by ``accelerator.backward`` from the monitor's creation on, each batch of a
+prepared dataloader as it is handed over):
 
 * ``step``: from one optimizer step to the next;
 * ``data``: waiting for batches (from the end of the previous step or backward pass to the
@@ -69,6 +70,7 @@ class StragglerMonitor(Callback):
         self.stragglers: list[int] = []
         self.last_table: list[tuple[float, float, float]] = []
         self._last_end: float | None = None
+        PROGRESS.time_backward = True  # accelerator.backward times itself from now on
         self._backward_mark = PROGRESS.backward_seconds
         self._data = 0.0
         self._sums = [0.0, 0.0, 0.0]

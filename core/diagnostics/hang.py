@@ -174,8 +174,9 @@ class HangWatchdog:
                 f"{pending.operation} (called at {pending.site}) waited "
                 f"{now - pending.started:.0f} s for the other processes"
             )
-        if PROGRESS.armed and now - PROGRESS.last > self.timeout:
-            return f"no progress for {now - PROGRESS.last:.0f} s after step {PROGRESS.step}"
+        last = PROGRESS.last_progress()
+        if PROGRESS.armed and now - last > self.timeout:
+            return f"no progress for {now - last:.0f} s after step {PROGRESS.step}"
         return None
 
     def declare(self, reason: str) -> None:
@@ -245,7 +246,7 @@ class HangWatchdog:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "step": PROGRESS.step,
-            "seconds_since_progress": round(time.monotonic() - PROGRESS.last, 3),
+            "seconds_since_progress": round(time.monotonic() - PROGRESS.last_progress(), 3),
             "finishing": PROGRESS.finishing,
             "stack": thread_stack(),
             "collectives": COLLECTIVES.to_list(),

@@ -16,7 +16,12 @@ A step here is one optimizer step of the whole job:
    all-reduce);
 3. before the optimizer steps, every group votes; the step is applied only if every
    group of the quorum got through it, else it is discarded everywhere (the optimizers,
-   schedulers and step counters do not move, and the data position goes back).
+   schedulers and step counters do not move, and the data position goes back). The vote
+   is cast on the protocol thread as soon as the gradients are averaged (it overlaps
+   whatever runs until the optimizer step asks for it), and the next quorum right after.
+
+In semi-synchronous training (LocalSGD, DiLoCo: semi_sync.py) a step is an interval of
+optimizer steps, and what is averaged at its end is the weights or their change.
 
 A healthy peer hands a rejoining group its state as it is when the peer's next step opens
 (torchft's state-dict lock is held from the vote until then), so a background quorum never
@@ -26,10 +31,10 @@ copies a half-applied optimizer step.
 from __future__ import annotations
 
 import atexit
-import logging
+import contextlib
 import socket
+import threading
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,14 +45,13 @@ from torch import nn
 
 from ..callbacks.base import Callback
 from ..optim.step import StepState
-from ..options.errors import ConfigError
-from ..options.fault_tolerance import FaultToleranceKwargs, unsupported_layout
-from ..runtime.env import fault_tolerance_environment
+from ..options.fault_tolerance import FaultToleranceKwargs, SemiSyncKwargs
 from ..runtime.events import announce
 from ..runtime.state import ProcessState
 from . import recovery, reporting
 from .gradients import GradientAverager
 from .quorum import QuorumThread
+from .semi_sync import SemiSynchronous
 
 if TYPE_CHECKING:
     from ..optim.optimizer import AcceleratedOptimizer
@@ -67,72 +71,19 @@ def import_torchft() -> Any:
     return torchft
 
 
-def build_fault_tolerance(
-    options: FaultToleranceKwargs | None,
-    launch: dict[str, Any],
-    state: ProcessState,
-    layout: tuple[str, Any] = ("NO", None),
-) -> FaultTolerance | None:
-    """The controller for ``options`` (else the launcher's ``fault_tolerance_config``), or
-    ``None`` when fault tolerance is off. ``layout``: the Accelerator's distributed type
-    and ``ParallelismConfig`` (some cannot run fault tolerant)."""
-    block = launch.get("fault_tolerance_config") or {}
-    if options is None and block:
-        options = FaultToleranceKwargs.from_config(dict(block))
-    if options is None or not options.enabled:
-        return None
-    refused = unsupported_layout(layout[0], getattr(layout[1], "pp_size", None))
-    if refused is not None:
-        raise ConfigError(refused)
-    environment = fault_tolerance_environment()
-    lighthouse = options.lighthouse or environment["lighthouse"]
-    replica_id = options.replica_id or environment["replica_id"]
-    if not lighthouse:
-        raise ConfigError(
-            "fault tolerance needs a torchft lighthouse: pass FaultToleranceKwargs("
-            "lighthouse='http://HOST:PORT'), or start the job with `slipstream launch "
-            "--fault_tolerance` (which starts one and sets SLIPSTREAM_FT_LIGHTHOUSE)"
-        )
-    if not replica_id:
-        raise ConfigError(
-            "fault tolerance needs this replica group's name: pass FaultToleranceKwargs("
-            "replica_id='replica_0') (a different index per group), or start the job with "
-            "`slipstream launch --fault_tolerance`, which sets SLIPSTREAM_FT_REPLICA_ID"
-        )
-    if not replica_id[-1:].isdigit():
-        raise ConfigError(
-            f"FaultToleranceKwargs(replica_id={replica_id!r}): the name must end in the "
-            "group's index (e.g. 'replica_0', 'replica_1'); torchft ranks groups by it"
-        )
-    groups = options.replica_groups or int(block.get("replica_groups") or 1)
-    return FaultTolerance(
-        options,
-        state,
-        lighthouse=lighthouse,
-        replica_id=replica_id,
-        groups=groups,
-        finished_file=environment["finished_file"],
-    )
-
-
-def _quiet_torchft() -> None:
-    """Drop torchft's notes that say nothing on CPU: it cannot reset NCCL's flight recorder
-    (logged at every new quorum) and torch's warning about reading a recovered state from a
-    read-only buffer. Only those exact messages."""
-    manager_log = logging.getLogger("torchft.manager")
-    if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
-        manager_log.addFilter(_NoFlightRecorderNote())
-    warnings.filterwarnings(
-        "ignore",
-        message="The given buffer is not writable",
-        category=UserWarning,
-        module=r"torch\.distributed\._serialization",
-    )
-
-
-class _NoFlightRecorderNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+def _before_exit(action: Any) -> None:
+    """Run ``action`` when the main thread ends, before the interpreter stops its thread
+    pools (torchft's manager submits a quorum asked for in the background to one: after
+    that stop the submission fails, and the other groups wait for this group's half of
+    that quorum until their quorum timeout). Plain ``atexit`` where that hook is missing."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(action)
+        return
+    try:
+        register(action)
+    except RuntimeError:  # the interpreter is stopping already
+        atexit.register(action)
 
 
 class FaultTolerance:
@@ -175,13 +126,23 @@ class FaultTolerance:
         self.last_quorum_seconds = 0.0
         #: A peer's state received by the last quorum, loaded when the step opens.
         self._received: dict[str, Any] | None = None
-        #: Whether the next step's quorum was asked for in the background.
+        #: Whether the next step's quorum was asked for in the background, and whether the
+        #: open step's vote was (before it, as soon as the gradients were averaged).
         self._quorum_asked = False
+        self._voting = False
         self.manager = self._build_manager()
         self._quorum_thread = QuorumThread(self.manager)
         self.gradients = GradientAverager(
             self.manager, self._pg, overlap=self.state.num_processes == 1
         )
+        #: Semi-synchronous training (LocalSGD, DiLoCo): a step is an interval of inner steps.
+        semi = options.semi_sync
+        self.semi_sync = SemiSynchronous(semi, self) if isinstance(semi, SemiSyncKwargs) else None
+
+    @property
+    def pg(self) -> Any:
+        """The replica groups' process group (torchft's, reconfigured by every quorum)."""
+        return self._pg
 
     # -- the torchft manager ----------------------------------------------------------------
     def _build_manager(self) -> Any:
@@ -227,9 +188,9 @@ class FaultTolerance:
             hostname=advertised,
         )
         manager.register_state_dict_fn("slipstream", self._receive_state, self._state)
-        _quiet_torchft()
+        reporting.quiet_torchft()
         reporting.quiet_checkpoint_server(manager)
-        atexit.register(self.shutdown)
+        _before_exit(self.shutdown)
         return manager
 
     def shutdown(self) -> None:
@@ -240,12 +201,17 @@ class FaultTolerance:
                 reporting.leave_summary(
                     self.replica_id,
                     self.state.launch.restart_count,
-                    int(manager.current_step()),
+                    self._step_count(int(manager.current_step())),
                     self.steps_committed,
                     self.steps_discarded,
                     self.recoveries,
                     self.stopped_finished,
+                    unit="sync" if self.semi_sync is not None else "step",
                 )
+            if self._voting:  # (the vote locks the state first)
+                self._voting = False
+                with contextlib.suppress(Exception):
+                    self._quorum_thread.vote()
             manager.allow_state_dict_read()  # a peer may be copying our state
             if self._quorum_asked:
                 # Let the quorum asked for in the background finish (the other groups asked
@@ -262,7 +228,12 @@ class FaultTolerance:
         self.schedulers = accelerator._schedulers
         self.step_state = accelerator.step_state
         self._custom_objects = accelerator._custom_objects
-        accelerator.callbacks.callbacks.insert(0, FaultToleranceHooks(self))
+        if self.semi_sync is not None:
+            # The last synced weights and the outer optimizer travel with save_state.
+            self._custom_objects.append(self.semi_sync)
+            accelerator.callbacks.callbacks.insert(0, SemiSyncHooks(self))
+        else:
+            accelerator.callbacks.callbacks.insert(0, FaultToleranceHooks(self))
 
     def prepare_loader(
         self, loader: Any, device: torch.device | None, seed: int | None
@@ -277,8 +248,15 @@ class FaultTolerance:
 
     def current_step(self) -> int:
         """Steps committed by the job (``manager.current_step()``): the step count that
-        survives failures and rejoins."""
+        survives failures and rejoins (syncs, in semi-synchronous training)."""
         return int(self.manager.current_step()) if self.manager is not None else 0
+
+    def _step_count(self, committed: int | None = None) -> int:
+        """The step the lines say: the optimizer's (inner) steps in semi-synchronous
+        training, else the job's committed steps (``committed``, else the manager's)."""
+        if self.semi_sync is not None and self.step_state is not None:
+            return int(self.step_state.optimizer_steps)
+        return self.current_step() if committed is None else committed
 
     # -- the step ---------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -287,7 +265,7 @@ class FaultTolerance:
             return
         first, self._first_quorum = self._first_quorum, False
         steps = self.step_state.optimizer_steps if self.step_state is not None else 0
-        if first and steps != self.current_step():
+        if first and steps != self.current_step() and self.semi_sync is None:
             # The script loaded a checkpoint (load_state) before training: the job's step
             # count starts there (a group with a later step still heals this one).
             self.manager.load_state_dict({"step": steps, "batches_committed": 0})
@@ -309,13 +287,16 @@ class FaultTolerance:
                 reporting.rejoined(
                     self.replica_id,
                     life,
-                    self.current_step(),
+                    self._step_count(),
                     received.get("replica_id"),
                     self.last_quorum_seconds,
                 )
         self.step_open = True
         self._commit = None
-        self.gradients.build(self.models)
+        if self.semi_sync is not None:
+            self.semi_sync.open()
+        else:
+            self.gradients.build(self.models)
         if first and self.state.launch.restart_count > 0 and self.replica_groups > 1:
             self._check_rejoined()
 
@@ -373,15 +354,19 @@ class FaultTolerance:
         """Before a backward: open the step; the one that ends the step's accumulation
         starts the gradients' all-reduce as backward produces them."""
         self.begin_step()
-        if sync_gradients and self.manager is not None:
+        if sync_gradients and self.manager is not None and self.semi_sync is None:
             self.gradients.arm()
 
     def allreduce_gradients(self) -> None:
         """Average every gradient (the local shard of sharded ones) over the quorum."""
-        if self.manager is None:
+        if self.manager is None or self.semi_sync is not None:
             return
         self.begin_step()
         self.gradients.finish()
+        # The vote, then the next quorum, on the protocol thread: the vote overlaps what
+        # runs until the optimizer step asks for it (should_commit).
+        self._quorum_thread.ask(vote_first=True)
+        self._quorum_asked = self._voting = True
 
     def should_commit(self) -> bool:
         """Every group's vote on the open step (asked once per step; later calls repeat
@@ -391,7 +376,16 @@ class FaultTolerance:
         if self.manager is None:
             return True
         self.begin_step()
-        commit = bool(self.manager.should_commit())
+        return self.vote()
+
+    def vote(self) -> bool:
+        """Every group's vote on the open step; closes it (and asks for the next quorum)."""
+        if self._voting:  # asked for on the protocol thread, the next quorum after it
+            self._voting = False
+            commit = self._quorum_thread.vote()
+        else:
+            commit = bool(self.manager.should_commit())
+            self._ask_next_quorum()
         self._commit = commit
         self.step_open = False
         for loader in self.loaders:
@@ -400,50 +394,45 @@ class FaultTolerance:
             self.steps_committed += 1
         else:
             self.steps_discarded += 1
-        self._ask_next_quorum()
         return commit
+
+    def after_inner_step(self) -> None:
+        """Semi-synchronous training: an optimizer step was taken (the interval's sync, and
+        its vote, come after the last)."""
+        if self.semi_sync is None or self.manager is None:
+            return
+        self.begin_step()
+        self.semi_sync.after_inner_step()
+
+    def synchronize(self) -> None:
+        """Semi-synchronous training: sync whatever the groups trained since their last
+        sync, now, so every group holds the same weights (call it after the training loop;
+        ``accelerator.end_training()`` does). No-op with per-step fault tolerance.
+
+        Example::
+
+            accelerator.fault_tolerance.synchronize()
+        """
+        if self.semi_sync is not None and self.manager is not None:
+            self.semi_sync.synchronize()
+
+    def checkpoint_view(self) -> Any:
+        """A context in which the training objects hold what a checkpoint must: in
+        semi-synchronous training, the state the open interval started from."""
+        if self.semi_sync is None:
+            return contextlib.nullcontext()
+        return self.semi_sync.interval_start()
 
     # -- what a rejoining group copies ------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        steps = self.step_state.optimizer_steps if self.step_state is not None else 0
-        return {
-            "models": [recovery.model_state(m) for m in self.models],
-            "optimizers": [recovery.optimizer_state(o.optimizer) for o in self.optimizers],
-            "schedulers": [s.state_dict() for s in self.schedulers],
-            "loaders": [loader.position() for loader in self.loaders],
-            "rng": recovery.rng_state(),
-            "optimizer_steps": steps,
-            "replica_id": self.replica_id,
-        }
+        return recovery.group_state(self)
 
     def _receive_state(self, state: dict[str, Any]) -> None:
         # Called by the quorum (maybe in the background): loaded when the step opens.
         self._received = state
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        counts = {
-            "models": len(self.models),
-            "optimizers": len(self.optimizers),
-            "schedulers": len(self.schedulers),
-            "loaders": len(self.loaders),
-        }
-        for key, count in counts.items():
-            if len(state[key]) != count:
-                raise RuntimeError(
-                    f"fault tolerance: the healthy peer prepared {len(state[key])} {key}, this "
-                    f"group {count}: every replica group must run the same script"
-                )
-        for model, model_state in zip(self.models, state["models"], strict=True):
-            recovery.load_model_state(model, model_state)
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
-            recovery.load_optimizer_state(optimizer.optimizer, optimizer_state)
-        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
-            scheduler.load_state_dict(scheduler_state)
-        for loader, position in zip(self.loaders, state["loaders"], strict=True):
-            loader.load_position(position)
-        recovery.load_rng_state(state["rng"])
-        if self.step_state is not None:
-            self.step_state.optimizer_steps = int(state["optimizer_steps"])
+        recovery.load_group_state(self, state)
 
 
 class FaultToleranceHooks(Callback):
@@ -465,3 +454,25 @@ class FaultToleranceHooks(Callback):
     def on_before_optimizer_step(self, accelerator: Any, optimizer: Any) -> None:
         if not self.controller.should_commit():
             accelerator.coordinator.skip_step = True
+
+
+class SemiSyncHooks(Callback):
+    """The controller in semi-synchronous training: no exchange around backward; after
+    each optimizer step the interval counts it (and syncs at its end)."""
+
+    def __init__(self, controller: FaultTolerance) -> None:
+        self.controller = controller
+
+    def on_before_zero_grad(self, accelerator: Any, optimizer: Any) -> None:
+        self.controller.begin_step()
+
+    def on_before_backward(self, accelerator: Any, loss: Any) -> None:
+        self.controller.begin_step()
+
+    def on_after_optimizer_step(self, accelerator: Any, optimizer: Any) -> None:
+        # Once per step, after its last optimizer (the step is closed), unless it was skipped.
+        if not accelerator.coordinator.pending and not optimizer.step_was_skipped:
+            self.controller.after_inner_step()
+
+    def on_train_end(self, accelerator: Any) -> None:
+        self.controller.synchronize()

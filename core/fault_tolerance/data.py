@@ -7,6 +7,9 @@ hands process ``i`` of ``n`` the ``batch_size`` samples starting at ``cursor + i
 batch_size``, and a committed step moves the cursor by ``n * batch_size``. A discarded step
 moves it back, so its samples are trained on again; a group that rejoins copies the
 cursor. ``committed_samples`` counts the samples of this epoch the job has trained on.
+In semi-synchronous training a step is an interval of several batches, which may cross
+into the next epoch: the epoch and cursor move on batch by batch and are committed (or
+put back) with the interval.
 """
 
 from __future__ import annotations
@@ -58,8 +61,11 @@ class FaultTolerantDataLoader:
         if seed is None:  # Accelerate's (and prepared loaders') seed: what set_seed set
             seed = torch.initial_seed()
         self.seed = seed
+        #: The epoch the batches come from (ahead of the committed one inside a
+        #: semi-synchronous interval that crossed into the next epoch).
         self.epoch = 0
-        #: Samples of this epoch trained on by committed steps.
+        self._committed_epoch = 0
+        #: Samples of the committed epoch trained on by committed steps.
         self.committed_samples = 0
         self._pending = 0  # the cursor while a step is open
         #: The sample indices of this process's current batch (repeats left out).
@@ -98,9 +104,11 @@ class FaultTolerantDataLoader:
     def __iter__(self) -> Iterator[Any]:
         while True:
             if self._pending >= self.num_samples:
-                # Only after the epoch's last step committed: the same on every group.
+                # After the epoch's last step: the same on every group.
                 self.epoch += 1
-                self.committed_samples = self._pending = 0
+                self._pending = 0
+                if not self.controller.step_open:  # (else the open interval commits it)
+                    self._committed_epoch, self.committed_samples = self.epoch, 0
                 return
             self.controller.begin_step()  # a rejoining group copies the position here
             index, count = self.controller.data_coordinates()
@@ -124,16 +132,16 @@ class FaultTolerantDataLoader:
     def finish_step(self, committed: bool) -> None:
         """The open step was applied (move the cursor on) or discarded (move it back)."""
         if committed:
-            self.committed_samples = self._pending
+            self._committed_epoch, self.committed_samples = self.epoch, self._pending
         else:
-            self._pending = self.committed_samples
+            self.epoch, self._pending = self._committed_epoch, self.committed_samples
 
     # -- the position, for rejoining groups and checkpoints ---------------------------------
     def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.committed_samples, "seed": self.seed}
+        return {"epoch": self._committed_epoch, "cursor": self.committed_samples, "seed": self.seed}
 
     def load_position(self, position: dict[str, int]) -> None:
-        self.epoch = int(position["epoch"])
+        self.epoch = self._committed_epoch = int(position["epoch"])
         self.committed_samples = self._pending = int(position["cursor"])
         self.seed = int(position["seed"])
 
@@ -145,5 +153,5 @@ class FaultTolerantDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.epoch = epoch
+            self.epoch = self._committed_epoch = epoch
             self.committed_samples = self._pending = 0

@@ -4,11 +4,14 @@
 The gradients are packed, in the reverse order of the parameters (about the order backward
 produces them), into buckets of one dtype and at most :data:`BUCKET_BYTES`, each a flat
 buffer kept from step to step. Where a group is a single process with plain (unsharded)
-parameters, a bucket's all-reduce starts as soon as backward has produced all of its
-gradients (a post-accumulate-grad hook per parameter), so it overlaps the rest of
-backward, as DDP's buckets do; buckets start strictly in order, so every group issues the
-same collectives in the same order. Otherwise (FSDP2 or TP inside a group: the local shards,
-final only after the group's own reduction) every bucket starts after backward.
+parameters, the gradients *are* views into the buckets (set before the backward that ends
+a step, as DDP's ``gradient_as_bucket_view``: backward accumulates into them and the
+average is computed in place, no copy either way), and a bucket's all-reduce starts as
+soon as backward has produced all of its gradients (a post-accumulate-grad hook per
+parameter), so it overlaps the rest of backward, as DDP's buckets do; buckets start
+strictly in order, so every group issues the same collectives in the same order. Otherwise
+(FSDP2 or TP inside a group: the local shards, final only after the group's own reduction)
+the gradients are copied into the buckets after backward and back.
 
 A peer that dies makes an all-reduce fail: the error goes to the manager (the step is then
 discarded at the vote) and the remaining buckets are not sent.
@@ -108,12 +111,35 @@ class GradientAverager:
         self._failed = bool(self.manager.errored())
         self._participants = max(1, int(self.manager.num_participants()))
         self._armed = bool(self._hooks)
+        if self._armed:
+            self._view_gradients()
+
+    def _view_gradients(self) -> None:
+        """Make every gradient its bucket's view (zeros where there was none, the gradient
+        accumulated so far where there was one), so backward accumulates in place."""
+        for bucket in self._buckets:
+            if all(p.grad is None for p in bucket.params):
+                bucket.flat.zero_()
+                for param, part in zip(bucket.params, bucket.slices, strict=True):
+                    param.grad = part
+                continue
+            for param, part in zip(bucket.params, bucket.slices, strict=True):
+                grad = param.grad
+                if grad is part:
+                    continue
+                if grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(grad)
+                param.grad = part
 
     def _produced(self, param: torch.Tensor) -> None:
         if not self._armed or param.grad is None:
             return
         bucket, index = self._where[id(param)]
-        bucket.slices[index].copy_(param.grad)
+        part = bucket.slices[index]
+        if param.grad is not part:  # replaced during backward (else accumulated in place)
+            part.copy_(param.grad)
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._start_ready()
@@ -171,7 +197,9 @@ class GradientAverager:
             if self._participants > 1:
                 bucket.flat.div_(self._participants)
             for param, part in zip(bucket.params, bucket.slices, strict=True):
-                recovery.local(param.grad).copy_(part)  # type: ignore[arg-type]
+                grad = param.grad
+                if grad is not part:  # (views need nothing)
+                    recovery.local(grad).copy_(part)  # type: ignore[arg-type]
 
     def _collect(self, bucket: _Bucket) -> None:
         for param, part in zip(bucket.params, bucket.slices, strict=True):

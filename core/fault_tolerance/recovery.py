@@ -1,5 +1,6 @@
 """What a rejoining replica group copies from a healthy peer: the model, the optimizers,
-the schedulers, the RNGs and the position in the data, as plain local tensors.
+the schedulers, the RNGs, the position in the data and the semi-synchronous state, as
+plain local tensors.
 
 Each process of a group sends and receives only its own part (rank ``r`` of the healthy
 group feeds rank ``r`` of the healing one), so sharded (FSDP2, TP) parameters travel as
@@ -95,3 +96,50 @@ def rng_state() -> dict[str, Any]:
 
 def load_rng_state(state: dict[str, Any]) -> None:
     restore_rng_states(state)
+
+
+def group_state(group: Any) -> dict[str, Any]:
+    """What a healthy peer hands a rejoining replica group: the prepared models,
+    optimizers, schedulers, loaders' positions, RNGs, step count and the semi-synchronous
+    state of ``group`` (its :class:`~slipstream.fault_tolerance.FaultTolerance`)."""
+    steps = group.step_state.optimizer_steps if group.step_state is not None else 0
+    semi = group.semi_sync
+    return {
+        "models": [model_state(m) for m in group.models],
+        "optimizers": [optimizer_state(o.optimizer) for o in group.optimizers],
+        "schedulers": [s.state_dict() for s in group.schedulers],
+        "loaders": [loader.position() for loader in group.loaders],
+        "rng": rng_state(),
+        "optimizer_steps": steps,
+        "replica_id": group.replica_id,
+        "semi_sync": semi.state_dict() if semi is not None else None,
+    }
+
+
+def load_group_state(group: Any, state: dict[str, Any]) -> None:
+    """Load what :func:`group_state` gave on the peer into ``group``."""
+    counts = {
+        "models": len(group.models),
+        "optimizers": len(group.optimizers),
+        "schedulers": len(group.schedulers),
+        "loaders": len(group.loaders),
+    }
+    for key, count in counts.items():
+        if len(state[key]) != count:
+            raise RuntimeError(
+                f"fault tolerance: the healthy peer prepared {len(state[key])} {key}, this "
+                f"group {count}: every replica group must run the same script"
+            )
+    for model, saved in zip(group.models, state["models"], strict=True):
+        load_model_state(model, saved)
+    for optimizer, saved in zip(group.optimizers, state["optimizers"], strict=True):
+        load_optimizer_state(optimizer.optimizer, saved)
+    for scheduler, saved in zip(group.schedulers, state["schedulers"], strict=True):
+        scheduler.load_state_dict(saved)
+    for loader, position in zip(group.loaders, state["loaders"], strict=True):
+        loader.load_position(position)
+    load_rng_state(state["rng"])
+    if group.step_state is not None:
+        group.step_state.optimizer_steps = int(state["optimizer_steps"])
+    if group.semi_sync is not None:
+        group.semi_sync.load_state_dict(state["semi_sync"], step=False)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +31,14 @@ def leave_summary(
     discarded: int,
     recoveries: int,
     stopped: bool = False,
+    unit: str = "step",
 ) -> None:
     """At exit: this life of the group's counts, for the launcher's last lines (said here
     when there is no launcher); ``stopped``: it stopped because the job had finished."""
     folder = report_dir()
     if folder is None:
         announce(
-            f"replica group {replica_id}: ended at step {step}; {committed} steps committed, "
+            f"replica group {replica_id}: ended at step {step}; {committed} {unit}s committed, "
             f"{discarded} discarded, {recoveries} recoveries from a peer"
         )
         return
@@ -47,6 +50,7 @@ def leave_summary(
         "discarded": discarded,
         "recoveries": recoveries,
         "stopped": stopped,
+        "unit": unit,
     }
     with contextlib.suppress(OSError):
         summary_file(folder, replica_id, life).write_text(json.dumps(record))
@@ -73,3 +77,23 @@ def quiet_checkpoint_server(manager: Any) -> None:
 
 def _no_access_log(self: Any, code: Any = "-", size: Any = "-") -> None:
     return None
+
+
+def quiet_torchft() -> None:
+    """Drop torchft's notes that say nothing on CPU: it cannot reset NCCL's flight recorder
+    (logged at every new quorum) and torch's warning about reading a recovered state from a
+    read-only buffer. Only those exact messages."""
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
+        manager_log.addFilter(_NoFlightRecorderNote())
+    warnings.filterwarnings(
+        "ignore",
+        message="The given buffer is not writable",
+        category=UserWarning,
+        module=r"torch\.distributed\._serialization",
+    )
+
+
+class _NoFlightRecorderNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()

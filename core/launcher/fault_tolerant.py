@@ -184,9 +184,10 @@ def group_summaries(folder: Path, codes: list[int | None]) -> list[str]:
             key: sum(int(life[key]) for life in lives)
             for key in ("committed", "discarded", "recoveries")
         }
+        unit = str(lives[0].get("unit") or "step")
         lines.append(
             f"replica group replica_{index}: {ended}; {total['committed']} "
-            f"step{'' if total['committed'] == 1 else 's'} committed, {total['discarded']} "
+            f"{unit}{'' if total['committed'] == 1 else 's'} committed, {total['discarded']} "
             f"discarded, {total['recoveries']} "
             f"recover{'y' if total['recoveries'] == 1 else 'ies'} from a peer, "
             f"{restarts} restart{'' if restarts == 1 else 's'}"

@@ -8,8 +8,9 @@ enable_flight_recorder` before the process group forms) records the collectives 
 for DDP, FSDP2 and direct ``torch.distributed`` calls; this log adds slipstream's names
 (``gather``, ``wait_for_everyone``...) and is all there is where torch has no recorder.
 
-Recording costs a clock read and a few attribute writes per optimizer step, and about a
-microsecond per slipstream collective.
+Recording costs a few attribute writes per optimizer step (the watchdog, waking every few
+seconds, notices the count of marked steps move and times it itself) and about a microsecond per
+slipstream collective; backward is timed only while a ``StragglerMonitor`` asks for it.
 
 Example::
 
@@ -55,18 +56,36 @@ class Progress:
     finishing: bool = False
     #: Seconds spent in ``accelerator.backward`` so far, and when the last one ended
     #: (``time.perf_counter``): where data-parallel processes wait for each other, which a
-    #: straggler monitor leaves out of a process's own time.
+    #: straggler monitor leaves out of a process's own time. Kept only while
+    #: ``time_backward`` is set (by a straggler monitor).
     backward_seconds: float = 0.0
     backward_end: float = 0.0
+    time_backward: bool = False
+    #: Optimizer steps marked so far (skipped ones and later runs' included: the step
+    #: number may repeat, this count does not), the count the watchdog saw last and when
+    #: it saw it move (``time.monotonic``).
+    _marks: int = 0
+    _seen: tuple[int, float] = (0, 0.0)
 
     def mark_step(self, step: int) -> None:
-        """An optimizer step completed (called by the step coordinator)."""
+        """An optimizer step completed (called by the step coordinator): no clock is read
+        here; :meth:`last_progress` times the step count's moves."""
         self.step = step
-        self.last = time.monotonic()
+        self._marks += 1
         self.armed = True
         mirror = flight_file._file
         if mirror is not None:  # (read by the launcher if this process dies)
             mirror.step(step)
+
+    def last_progress(self) -> float:
+        """When this process last made progress (``time.monotonic``): the last collective
+        or checkpoint, or the first look after an optimizer step was marked (called by the
+        watchdog every few seconds, so a step is timed to within one of its periods)."""
+        seen, at = self._seen
+        if self._marks != seen:
+            at = time.monotonic()
+            self._seen = (self._marks, at)
+        return max(self.last, at)
 
     def mark(self) -> None:
         """Something completed that shows the job moves (a collective, a checkpoint)."""

@@ -241,3 +241,28 @@ def test_a_peer_that_already_left_does_not_hold_up_the_accelerator():
             process.kill()
     assert [process.returncode for process in ranks] == [0, 0], said
     assert "built in" in said[1][0], said
+
+
+def test_the_watchdog_times_steps_itself_and_a_repeated_step_number_still_counts(monkeypatch):
+    """Marking an optimizer step reads no clock: the watchdog's next look notices that a
+    step was marked and times it. A step whose number repeats (a skipped fp16 step, a new
+    training run counting from 0 again) is progress too."""
+    from slipstream.diagnostics import hang
+    from slipstream.runtime.flight import CollectiveLog, Progress
+
+    progress = Progress()
+    monkeypatch.setattr(hang, "PROGRESS", progress)
+    monkeypatch.setattr(hang, "COLLECTIVES", CollectiveLog())
+    watchdog = hang.HangWatchdog(state=None, timeout=0.2)  # type: ignore[arg-type]
+    time.sleep(0.3)
+    assert watchdog.stalled() is None  # not armed before the first step
+    progress.mark_step(1)
+    assert watchdog.stalled() is None  # this look notices the step and times it
+    time.sleep(0.3)
+    reason = watchdog.stalled()
+    assert reason is not None and reason.startswith("no progress for"), reason
+    assert reason.endswith("after step 1"), reason
+    progress.mark_step(1)  # skipped: the same step number
+    assert watchdog.stalled() is None
+    time.sleep(0.3)
+    assert watchdog.stalled() is not None

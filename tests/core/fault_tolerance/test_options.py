@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from slipstream import FaultToleranceKwargs
 from slipstream.launcher.config import LaunchConfig, validate
@@ -101,3 +102,65 @@ def test_the_accelerator_refuses_deepspeed_and_pipelines_with_fault_tolerance() 
     pytest.importorskip("deepspeed")
     said = run_distributed(_refused_with_fault_tolerance, "deepspeed", world_size=1)
     assert "does not run with DeepSpeed" in said[0], said
+
+
+def test_semi_synchronous_options_name_what_to_change() -> None:
+    from slipstream import SemiSyncKwargs
+
+    with pytest.raises(ConfigError, match="choose 'local_sgd'"):
+        SemiSyncKwargs("localsgd")
+    with pytest.raises(ConfigError, match="sync_every must be an integer >= 1"):
+        SemiSyncKwargs("diloco", sync_every=0)
+    with pytest.raises(ConfigError, match="sync_every must be a multiple of fragments"):
+        SemiSyncKwargs("diloco", sync_every=6, fragments=4)
+    with pytest.raises(ConfigError, match="lower fragment_sync_delay"):
+        SemiSyncKwargs("diloco", sync_every=8, fragments=2, fragment_sync_delay=4)
+    with pytest.raises(ConfigError, match="use method='diloco'"):
+        SemiSyncKwargs("local_sgd", fragments=2)
+    with pytest.raises(ConfigError, match="between 0 and 1"):
+        SemiSyncKwargs("diloco", fragment_update_alpha=1.5)
+    assert SemiSyncKwargs("diloco", sync_every=8, fragments=4).steps_between_syncs == 2
+    # A method name is enough; the config block's keys make the same object.
+    assert FaultToleranceKwargs(semi_sync="local_sgd").semi_sync == SemiSyncKwargs("local_sgd")
+    block = {"semi_sync": "diloco", "sync_every": 32, "outer_lr": 0.5, "fragments": 4}
+    options = FaultToleranceKwargs.from_config(block)
+    assert options.semi_sync == SemiSyncKwargs("diloco", sync_every=32, outer_lr=0.5, fragments=4)
+
+
+def test_the_launch_flags_and_config_keys_of_semi_synchronous_training() -> None:
+    from slipstream.cli import build_parser
+    from slipstream.cli.launch import resolve_config
+
+    flags = ["--fault_tolerance", "--ft_semi_sync", "diloco", "--ft_sync_every", "16"]
+    arguments = build_parser().parse_args(["launch", "--cpu", "-n", "2", *flags, "train.py"])
+    config, _ = resolve_config(arguments)
+    block = config.fault_tolerance_config
+    assert (block["semi_sync"], block["sync_every"]) == ("diloco", 16)
+    with pytest.raises(ConfigError, match="sync_every set without semi_sync"):
+        validate(LaunchConfig(num_processes=2, fault_tolerance_config={"sync_every": 8}))
+    with pytest.raises(ConfigError, match=r"fault_tolerance_config: .*lower fragment_sync_delay"):
+        validate(
+            LaunchConfig(
+                num_processes=2,
+                fault_tolerance_config={
+                    "semi_sync": "diloco",
+                    "sync_every": 4,
+                    "fragments": 2,
+                    "fragment_sync_delay": 2,
+                },
+            )
+        )
+
+
+def test_fragments_are_runs_of_about_equal_size() -> None:
+    from torch import nn
+
+    from slipstream.fault_tolerance.semi_sync import split
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 1, 30, 9)]
+    runs = split(params, 2)
+    assert [[p.numel() for p in run] for run in runs] == [[10, 10, 1], [30, 9]]
+    sizes = [[p.numel() for p in run] for run in split(params, 3)]
+    assert sizes == [[10, 10], [1, 30], [9]]
+    # Too many fragments for the sizes leaves one empty (refused when the job builds them).
+    assert [[p.numel() for p in run] for run in split(params, 5)][2] == []
