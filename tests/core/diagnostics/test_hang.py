@@ -14,9 +14,6 @@ from slipstream.diagnostics.hang import HANG_EXIT_CODE, resolve_hang_timeout
 from slipstream.diagnostics.hang_report import build_report
 from tests.distributed import run_cli, run_python
 
-#: Starts its own processes for every test: left out of `pytest -m "not slow"`.
-pytestmark = pytest.mark.slow
-
 JOB = Path(__file__).with_name("hang_job.py")
 TIMEOUT = 4.0
 #: The report must come within the timeout plus this (the watchdog looks every
@@ -55,6 +52,7 @@ def check_report(stderr: str, project: Path, mode: str, culprit: int, finished: 
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode,world",
     [("sleep", 2), ("sleep", 4), ("branch", 2), ("branch", 4), ("skip", 2), ("skip", 4),
@@ -73,6 +71,7 @@ def test_the_report_names_the_process_and_its_line(tmp_path: Path, mode: str, wo
     assert "Traceback" not in result.stderr and "torch/distributed/elastic" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_collective_that_times_out_in_torch_is_reported_too(tmp_path: Path):
     # hang_timeout is long: torch's own 3-second group timeout notices first.
     result = run_cli(
@@ -83,6 +82,7 @@ def test_a_collective_that_times_out_in_torch_is_reported_too(tmp_path: Path):
     assert "timed out" in report.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_without_the_launcher_rank_0_prints_the_report(tmp_path: Path):
     result = run_python(
         "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -94,6 +94,7 @@ def test_without_the_launcher_rank_0_prints_the_report(tmp_path: Path):
     assert_no_orphans(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_single_process_is_watched_when_asked(tmp_path: Path):
     script = tmp_path / "alone.py"
     script.write_text(

@@ -49,6 +49,7 @@ def _lines(output: str) -> list[str]:
     return [line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_local_sgd_and_streaming_diloco_equal_torchft_and_resume_inside_an_interval(
     tmp_path: Path,
@@ -175,6 +176,7 @@ def _replay(intervals: dict[int, dict[int, list[dict[str, Any]]]]) -> list[float
     return [v for t in synced for v in t.reshape(-1).tolist()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_diloco_survives_a_kill_between_syncs(tmp_path: Path) -> None:
     # DiLoCo syncs every 4 steps; replica 1 is SIGKILLed after step 6, between two syncs.
