@@ -96,8 +96,8 @@ class TorchContextParallelConfig:
             self.cp_comm_strategy = given or "allgather"
         if self.cp_comm_strategy not in CP_COMM_STRATEGIES:
             raise ParallelismConfigError(
-                f"cp_comm_strategy must be one of {', '.join(CP_COMM_STRATEGIES)}, got "
-                f"{self.cp_comm_strategy!r}{source}"
+                f"Invalid cp_comm_strategy: {self.cp_comm_strategy}{source}; use one of "
+                f"{', '.join(CP_COMM_STRATEGIES)}"
             )
 
 

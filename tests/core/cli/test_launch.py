@@ -185,7 +185,7 @@ def test_flags_merge_over_the_file_and_the_workers_build_that_mesh(tmp_path: Pat
         ),
         (
             ["-n", "2", "--parallelism_config_cp_comm_strategy", "ring"],
-            "parallelism_config_cp_comm_strategy must be one of allgather, alltoall",
+            "Invalid parallelism_config_cp_comm_strategy: ring; use one of allgather, alltoall",
         ),
         (
             ["-n", "2", "--parallelism_config_sequence_parallel", "maybe"],

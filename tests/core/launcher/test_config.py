@@ -110,8 +110,8 @@ def test_deepspeed_takes_a_plain_data_parallel_layout(deepspeed: dict[str, Any],
         (job(4, tp_size=-1, dp_shard_size=-1), "only one parallel size may be -1"),
         (
             job(2, cp_comm_strategy="ring"),
-            "c.yaml: parallelism_config: parallelism_config_cp_comm_strategy must be one of "
-            "allgather, alltoall, got 'ring'",
+            "c.yaml: parallelism_config: Invalid parallelism_config_cp_comm_strategy: ring; use "
+            "one of allgather, alltoall",
         ),
         (job(2, sequence_dim="x"), "parallelism_config_sequence_dim must be an integer"),
         (

@@ -86,7 +86,7 @@ def test_invalid_values_are_rejected_when_built(kwargs, message):
 def test_context_parallel_communication_strategy_is_checked():
     with pytest.raises(
         ParallelismConfigError,
-        match="cp_comm_strategy must be one of allgather, alltoall, got 'ring'",
+        match="Invalid cp_comm_strategy: ring; use one of allgather, alltoall",
     ):
         TorchContextParallelConfig(cp_comm_strategy="ring")
 

@@ -48,7 +48,11 @@ def test_world_size_two_on_cpu_forms_one_gloo_group():
 
 
 def _barrier_with_short_timeout() -> dict:
-    acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=2))])
+    # hang_timeout=0: the watchdog would end the job (exit 86, tests/core/diagnostics) before
+    # the late process returns; this test is about the error the waiting process gets.
+    acc = Accelerator(
+        hang_timeout=0, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=2))]
+    )
     if acc.process_index == 1:
         time.sleep(6)  # never reaches the barrier in time
         return {}
