@@ -355,6 +355,7 @@ def test_bad_config_files_give_one_clear_message(tmp_path, content, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_env_shows_the_parallel_layout(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(

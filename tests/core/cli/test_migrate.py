@@ -287,6 +287,7 @@ def _imports(source: str) -> list[tuple[str, str, str]]:
     return found
 
 
+@pytest.mark.slow
 def test_accelerates_test_scripts_import_cleanly_after_migrating(tmp_path: Path):
     scripts = _accelerate_scripts()
     for script in scripts:

@@ -39,6 +39,7 @@ def test_pjrt_device_without_torch_xla_stops_instead_of_training_on_the_cpu():
     )
 
 
+@pytest.mark.slow
 def test_the_command_line_says_it():
     shown = run_cli("env", env={"PJRT_DEVICE": "TPU"})
     assert shown.returncode == 0, shown.stderr

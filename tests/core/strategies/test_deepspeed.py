@@ -83,6 +83,7 @@ def _parity(stage: int, precision: str, accumulation: int, offload: bool) -> dic
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "stage,accumulation,offload",
     [(1, 1, False), (2, 2, True), (3, 1, False), (3, 2, False)],
@@ -206,6 +207,7 @@ def _json_config(path: str) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_auto_values_and_placeholders_with_a_deepspeed_json(tmp_path):
     config = {
         "train_batch_size": "auto",
@@ -347,6 +349,7 @@ def _zero_init() -> dict:
     return {"local": model.weight.numel(), "full": getattr(model.weight, "ds_numel", None)}
 
 
+@pytest.mark.slow
 def test_zero3_init_never_materialises_the_whole_model():
     r0 = run_distributed(_zero_init, timeout=240)[0]
     assert r0["full"] == 64 * 64 and r0["local"] < r0["full"]
