@@ -33,6 +33,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     when the chosen tests use DeepSpeed and the build is not cached: the first DeepSpeed test
     would otherwise spend its timeout compiling."""
     global _deepspeed_build
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # with pytest-xdist, one worker builds it
     folder = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm"
     _remove_stale_build_lock(folder / "lock")
     if (folder / "deepspeed_shm_comm.so").exists() or importlib.util.find_spec("deepspeed") is None:

@@ -46,6 +46,12 @@ _TOP_LEVEL: dict[str, list[tuple[str, Any, str]]] = {
         ("gpu_ids", str, "comma-separated GPU ids to use (default all)"),
         ("distributed_type", str, "NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED or XLA"),
         ("compute_environment", str, "LOCAL_MACHINE"),
+        (
+            "worker_start",
+            str,
+            "fork: workers forked from the launcher (torch imported once), exec: a fresh "
+            "interpreter each (as torchrun), auto: fork for CPU jobs (default)",
+        ),
     ],
     "training": [
         ("mixed_precision", str, f"one of {', '.join(MIXED_PRECISION)}"),

@@ -11,9 +11,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +21,13 @@ import yaml
 
 from ..options.errors import ConfigError
 from ..runtime.env import default_config_file
+from .config_blocks import suggest, validate_blocks
 from .elastic import elastic_settings, validate_elastic
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8", "bf16-true", "fp16-true")
 RDZV_BACKENDS = ("static", "c10d")
+WORKER_STARTS = ("auto", "fork", "exec")
 
 # Accelerate keys for hardware slipstream does not drive; accepted only at their defaults.
 UNSUPPORTED_KEYS: dict[str, Any] = {
@@ -85,6 +85,10 @@ class LaunchConfig:
     hang_timeout: float | None = None
     #: Show torch's elastic agent's own log lines (the launcher hides them otherwise).
     verbose: bool = False
+    #: How workers start: ``fork`` from the launcher, which imported torch once (about two
+    #: seconds of CPU less per worker), ``exec`` a fresh interpreter each (as torchrun), or
+    #: ``auto``: fork for CPU jobs, exec for GPU jobs.
+    worker_start: str = "auto"
     gradient_accumulation_steps: int = 1
     dynamo_config: dict[str, Any] = field(default_factory=dict)
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
@@ -145,11 +149,6 @@ class LaunchConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(LaunchConfig)}
 
 
-def _suggest(key: str, candidates: Any) -> str:
-    close = difflib.get_close_matches(key, list(candidates), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
 def _coerce(key: str, value: Any, annotation: str, where: str) -> Any:
     """Check (and gently convert) one value against its field's annotation."""
     if value is None and "None" in annotation:
@@ -190,7 +189,7 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
     if distributed not in DISTRIBUTED_TYPES:
         raise ConfigError(
             f"{where}: distributed_type must be one of {', '.join(DISTRIBUTED_TYPES)}, got "
-            f"{config.distributed_type!r}{_suggest(distributed, DISTRIBUTED_TYPES)}"
+            f"{config.distributed_type!r}{suggest(distributed, DISTRIBUTED_TYPES)}"
         )
     changes["distributed_type"] = distributed
     if distributed == "XLA" and config.use_cpu:
@@ -241,6 +240,11 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{where}: monitor_interval must be a positive number of seconds, got "
             f"{config.monitor_interval}"
         )
+    if config.worker_start not in WORKER_STARTS:
+        raise ConfigError(
+            f"{where}: worker_start must be one of {', '.join(WORKER_STARTS)}, got "
+            f"{config.worker_start!r}"
+        )
     if config.termination_grace_period < 0:
         raise ConfigError(
             f"{where}: termination_grace_period must be >= 0 seconds, got "
@@ -264,7 +268,7 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             f"{where}: gradient_accumulation_steps must be >= 1, got "
             f"{config.gradient_accumulation_steps}"
         )
-    _validate_blocks(config, where)
+    validate_blocks(config, where)
     validate_elastic(dataclasses.replace(config, **changes), where)
     if config.deepspeed_config and config.fsdp_config:
         raise ConfigError(
@@ -272,143 +276,6 @@ def validate(config: LaunchConfig, where: str = "configuration") -> LaunchConfig
             "be combined, keep one"
         )
     return dataclasses.replace(config, **changes)
-
-
-DEEPSPEED_KEYS = (
-    "deepspeed_config_file",
-    "zero_stage",
-    "offload_optimizer_device",
-    "offload_param_device",
-    "offload_optimizer_nvme_path",
-    "offload_param_nvme_path",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "zero3_init_flag",
-    "zero3_save_16bit_model",
-    "deepspeed_multinode_launcher",
-    "deepspeed_hostfile",
-    "deepspeed_exclusion_filter",
-    "deepspeed_inclusion_filter",
-    "deepspeed_moe_layer_cls_names",
-)
-DYNAMO_KEYS = (
-    "dynamo_backend",
-    "dynamo_mode",
-    "dynamo_use_fullgraph",
-    "dynamo_use_dynamic",
-    "dynamo_use_regional_compilation",
-)
-
-
-def _check_keys(block: str, values: dict[str, Any], known: tuple[str, ...], where: str) -> None:
-    for key in values:
-        if key not in known:
-            raise ConfigError(f"{where}: {block}: unknown key '{key}'{_suggest(key, known)}")
-
-
-def _validate_blocks(config: LaunchConfig, where: str) -> None:
-    """Check the nested fsdp_config, deepspeed_config and dynamo_config blocks."""
-    if config.fsdp_config:
-        from ..strategies.fsdp_plugin import FullyShardedDataParallelPlugin
-
-        try:
-            FullyShardedDataParallelPlugin.from_config(config.fsdp_config)
-        except ValueError as error:
-            text = str(error)
-            raise ConfigError(
-                f"{where}: {text if text.startswith('fsdp_config') else 'fsdp_config: ' + text}"
-            ) from None
-    deepspeed = config.deepspeed_config
-    _check_keys("deepspeed_config", deepspeed, DEEPSPEED_KEYS, where)
-    stage = deepspeed.get("zero_stage")
-    if stage is not None and str(stage) not in ("0", "1", "2", "3"):
-        raise ConfigError(
-            f"{where}: deepspeed_config: zero_stage must be 0, 1, 2 or 3, got {stage!r}"
-        )
-    for key in ("offload_optimizer_device", "offload_param_device"):
-        device = deepspeed.get(key)
-        if device is not None and str(device).lower() not in ("none", "cpu", "nvme"):
-            raise ConfigError(
-                f"{where}: deepspeed_config: {key} must be none, cpu or nvme, got {device!r}"
-            )
-    _check_keys("dynamo_config", config.dynamo_config, DYNAMO_KEYS, where)
-    if config.parallelism_config:
-        _validate_parallelism(config, where)
-    from .megatron_config import validate_megatron
-
-    validate_megatron(config, where)
-    if config.fault_tolerance_config:
-        from ..options.fault_tolerance import check_config_block, unsupported_layout
-
-        check_config_block(config.fault_tolerance_config, f"{where}: fault_tolerance_config")
-        stages = (config.parallelism_config or {}).get("parallelism_config_pp_size") or (
-            config.megatron_lm_config or {}
-        ).get("megatron_lm_pp_degree")
-        refused = unsupported_layout(config.distributed_type, stages)
-        if refused is not None:
-            raise ConfigError(f"{where}: {refused}")
-        groups = config.fault_tolerance_config.get("replica_groups")
-        if groups and config.num_processes % groups:
-            raise ConfigError(
-                f"{where}: fault_tolerance_config: replica_groups ({groups}) must divide "
-                f"num_processes ({config.num_processes}): every group runs as many processes"
-            )
-
-
-def _validate_parallelism(config: LaunchConfig, where: str) -> None:
-    """Check the parallelism_config block against num_processes and DeepSpeed, so a bad
-    layout stops the launcher before any process starts."""
-    from ..parallel.config import CONFIG_PREFIX, MESH_DIMS, ParallelismConfig
-
-    try:
-        parallel = ParallelismConfig.from_config(config.parallelism_config)
-    except ConfigError as error:
-        raise ConfigError(f"{where}: {_parallelism_message(str(error))}") from None
-    given = {dim: getattr(parallel, f"{dim}_size") for dim in MESH_DIMS}
-    shown = " x ".join(
-        f"{CONFIG_PREFIX}{dim}_size={size}" for dim, size in given.items() if size not in (None, 1)
-    )
-    try:
-        sizes = parallel.resolve(config.num_processes)
-    except ConfigError as error:
-        if str(error).startswith("ep_size="):  # the sizes fit; the expert split does not
-            raise ConfigError(f"{where}: {_parallelism_message(str(error))}") from None
-        raise ConfigError(
-            f"{where}: parallelism_config: {shown} does not fit num_processes="
-            f"{config.num_processes}; the sizes must multiply to num_processes (one of them may "
-            "be -1 to take the processes the others leave; with neither data-parallel size "
-            "given, dp_shard_size takes them): change the sizes or num_processes"
-        ) from None
-    deepspeed = config.distributed_type.upper() == "DEEPSPEED" or bool(config.deepspeed_config)
-    offending = sizes.beyond_data_parallel()
-    if offending and deepspeed:
-        keys = ", ".join(f"{CONFIG_PREFIX}{d}_size={sizes.size(d)}" for d in offending)
-        using = (
-            "distributed_type: DEEPSPEED"
-            if config.distributed_type.upper() == "DEEPSPEED"
-            else "deepspeed_config"
-        )
-        raise ConfigError(
-            f"{where}: parallelism_config: {keys} cannot be combined with DeepSpeed ({using}), "
-            "which shards over all processes itself; drop those sizes (keep at most one of "
-            f"{CONFIG_PREFIX}dp_shard_size or {CONFIG_PREFIX}dp_replicate_size), or use FSDP2 "
-            "(distributed_type: FSDP) instead of DeepSpeed"
-        )
-
-
-# ParallelismConfig's own messages name its options bare (``tp_size``).
-_BARE_PARALLEL_OPTION = re.compile(
-    r"(?<!\w)(dp_replicate_size|dp_shard_size|tp_size|cp_size|pp_size|ep_size|ep_plan"
-    r"|cp_comm_strategy|cp_backend)"
-)
-
-
-def _parallelism_message(text: str) -> str:
-    """ParallelismConfig's message in config-file terms: every option under the
-    ``parallelism_config_`` key the user wrote in the file or on the command line."""
-    text = _BARE_PARALLEL_OPTION.sub(r"parallelism_config_\1", text)
-    text = re.sub(r"\ban (?=parallelism_config_)", "a ", text)  # "an ep_size" -> "a ..."
-    return text if text.startswith("parallelism_config:") else f"parallelism_config: {text}"
 
 
 def config_from_dict(
@@ -428,7 +295,7 @@ def config_from_dict(
                 )
         else:
             raise ConfigError(
-                f"{where}: unknown key '{key}'{_suggest(key, [*_FIELDS, *UNSUPPORTED_KEYS])}"
+                f"{where}: unknown key '{key}'{suggest(key, [*_FIELDS, *UNSUPPORTED_KEYS])}"
             )
     return validate(LaunchConfig(**kwargs), where), notes
 

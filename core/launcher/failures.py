@@ -42,6 +42,7 @@ NOISY_LOGGERS = (
     "torch.distributed.elastic.agent",
     "torch.distributed.launcher",
     "torch.distributed.run",
+    "torch.multiprocessing.spawn",  # "Terminating process N via signal SIGTERM" (forked workers)
 )
 
 
@@ -288,10 +289,22 @@ def quiet_torchelastic(enabled: bool = True) -> Iterator[None]:
     ]
     loggers = [logging.getLogger(name) for name in dict.fromkeys(names)]
     saved = [(logger, logger.level) for logger in loggers]
+    _quieted.extend(saved)
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        for logger, level in saved:
-            logger.setLevel(level)
+        restore_torchelastic_logging()
+
+
+#: The loggers :func:`quiet_torchelastic` quieted, with their levels before.
+_quieted: list[tuple[logging.Logger, int]] = []
+
+
+def restore_torchelastic_logging() -> None:
+    """Give the loggers :func:`quiet_torchelastic` quieted their levels back (a worker forked
+    from the launcher inside the block logs as a fresh process would)."""
+    for logger, level in reversed(_quieted):
+        logger.setLevel(level)
+    _quieted.clear()

@@ -41,6 +41,7 @@ from ..runtime.env import (
     is_set,
 )
 from .config import LaunchConfig
+from .forked import fork_wanted
 from .group_agent import group_command
 from .reports import HangReports
 
@@ -123,7 +124,13 @@ def launch_fault_tolerant(
             arguments = entry_args
             if entry == WORKER_MODULE:  # `ps` shows the group of each worker
                 arguments = ["--replica_group", f"replica_{index}", *entry_args]
-            command = group_command(f"replica_{index}", flags, entry, arguments)
+            command = group_command(
+                f"replica_{index}",
+                flags,
+                entry,
+                arguments,
+                fork=fork_wanted(config, request.no_python),
+            )
             children.append(subprocess.Popen(command, env=env))
         while any(child.poll() is None for child in children):
             if not finished.exists() and any(child.poll() == 0 for child in children):

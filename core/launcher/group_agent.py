@@ -6,7 +6,7 @@ launcher's usual failure summary, labelled with the group.
 
 Usage (by the launcher)::
 
-    python -m slipstream.launcher.group_agent REPLICA_ID N_FLAGS TORCHRUN_FLAGS... ENTRY ARGS...
+    python -m slipstream.launcher.group_agent REPLICA_ID fork|exec N_FLAGS TORCHRUN_FLAGS... ENTRY ARGS...
 """
 
 from __future__ import annotations
@@ -16,24 +16,28 @@ import sys
 from ..runtime.env import agent_logs_requested, report_dir
 from .agent_events import agent_events
 from .failures import exit_code_of, failure_summary, outcome_of, quiet_torchelastic
+from .forked import run_agent
 
 
-def group_command(replica_id: str, flags: list[str], entry: str, args: list[str]) -> list[str]:
-    """The command line that runs one group's agent (see the module docstring)."""
+def group_command(
+    replica_id: str, flags: list[str], entry: str, args: list[str], *, fork: bool
+) -> list[str]:
+    """The command line that runs one group's agent (see the module docstring); with
+    ``fork``, the agent forks its workers (see :mod:`slipstream.launcher.forked`)."""
     return [
-        sys.executable, "-m", "slipstream.launcher.group_agent", replica_id, str(len(flags)),
-        *flags, entry, *args,
+        sys.executable, "-m", "slipstream.launcher.group_agent", replica_id,
+        "fork" if fork else "exec", str(len(flags)), *flags, entry, *args,
     ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
 
     args = list(sys.argv[1:] if argv is None else argv)
-    replica_id, count = args[0], int(args[1])
-    flags, entry, entry_args = args[2 : 2 + count], args[2 + count], args[3 + count :]
+    replica_id, start, count = args[0], args[1], int(args[2])
+    flags, entry, entry_args = args[3 : 3 + count], args[3 + count], args[4 + count :]
     # Only the launcher's flags go through torchrun's parser (see launch.torchrun_namespace).
     namespace = get_args_parser().parse_args([*flags, entry])
     namespace.training_script_args = entry_args
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             quiet_torchelastic(enabled=not agent_logs_requested()),
             agent_events(f"replica group {replica_id}", folder),
         ):
-            run(namespace)
+            run_agent(namespace, fork=start == "fork")
     except SignalException as stopped:
         return 128 + int(stopped.sigval)
     except ChildFailedError as failure:

@@ -26,6 +26,7 @@ from .agent_events import agent_events
 from .config import LaunchConfig
 from .elastic import ELASTIC_AGENT_VARIABLES, elastic_torchrun_flags, is_elastic
 from .failures import exit_code_of, failure_summary, quiet_torchelastic
+from .forked import fork_wanted, run_agent
 from .reports import HangReports
 
 
@@ -169,7 +170,6 @@ def _run(request: LaunchRequest, reports: HangReports) -> int:
     """Run torchrun's agent and turn its outcome into an exit code and one account."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
 
     from ..diagnostics.hang import HANG_EXIT_CODE
     from ..runtime.preemption import REQUEUE_EXIT_CODE, signal_numbers
@@ -189,7 +189,7 @@ def _run(request: LaunchRequest, reports: HangReports) -> int:
             quiet_torchelastic(enabled=not verbose),
             agent_events(None, str(reports.folder), elastic=is_elastic(config)),
         ):
-            run(torchrun_args)
+            run_agent(torchrun_args, fork=fork_wanted(config, request.no_python))
     except SignalException as stopped:
         print(
             f"slipstream launch: stopped by {signal.Signals(stopped.sigval).name}; the "

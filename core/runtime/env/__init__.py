@@ -320,6 +320,17 @@ def slurm_job_id() -> str | None:
     return os.environ.get("SLURM_JOB_ID") or None
 
 
+def visible_gpu_ids() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` (``""``: no GPU; ``None``: not set, every GPU)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def cpu_threads_requested() -> int | None:
+    """The thread count ``OMP_NUM_THREADS`` asks for (``None`` when unset or not a count)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def is_set(name: str) -> bool:
     """Whether an environment variable is present (used for torch's own knobs)."""
     return name in os.environ

@@ -200,7 +200,7 @@ def test_bad_preemption_keys_are_config_errors(values: dict[str, Any], message: 
 
 
 def test_parallelism_messages_in_config_terms_keep_their_grammar():
-    from slipstream.launcher.config import _parallelism_message
+    from slipstream.launcher.config_blocks import _parallelism_message
 
     text = _parallelism_message("ep_size=3: choose an ep_size that divides 4")
     assert text == (
