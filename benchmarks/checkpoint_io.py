@@ -5,6 +5,9 @@ both, alternately, several times; medians and their ratio are printed. Run:
 
     python benchmarks/checkpoint_io.py            # ~200 MB of weights
     python benchmarks/checkpoint_io.py --quick    # a few MB (smoke test)
+
+``--quick`` measures in one process started through ``workers.run_workers`` (the suite forks
+it from a warm worker) instead of in this one.
 """
 
 from __future__ import annotations
@@ -87,12 +90,31 @@ def one_round(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few MB, 2 repeats, in a worker (smoke test)"
+    )
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     width, layers = (256, 4) if args.quick else (2048, 12)  # ~200 MB of fp32 weights
     repeats = 2 if args.quick else args.repeats
+    if args.quick and not args.worker:
+        import workers  # benchmarks/workers.py, beside this script
 
+        [report] = workers.run_workers(__file__, ["--quick", "--worker"], processes=1)
+        _print(report["megabytes"], repeats, report["results"])
+        return
+    megabytes, results = measure(width, layers, repeats)
+    if args.worker:
+        import workers
+
+        workers.report({"megabytes": megabytes, "results": results})
+        return
+    _print(megabytes, repeats, results)
+
+
+def measure(width: int, layers: int, repeats: int) -> tuple[float, dict[str, list[float]]]:
+    """The weights' MB and each measurement's seconds per repeat."""
     accelerator = Accelerator()
     model, optimizer = build(width, layers)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -117,6 +139,10 @@ def main() -> None:
                 results[name].append(seconds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return megabytes, results
+
+
+def _print(megabytes: float, repeats: int, results: dict[str, list[float]]) -> None:
     median = {k: statistics.median(v) for k, v in results.items()}
 
     def paired_ratio(name: str, base: str) -> float:

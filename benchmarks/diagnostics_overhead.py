@@ -18,12 +18,17 @@ its own, as the CPU time of a gloo all-reduce with and without it (one process).
 
     python benchmarks/diagnostics_overhead.py            # tiny and medium model
     python benchmarks/diagnostics_overhead.py --quick    # smoke test
+
+With ``--quick`` (the tiny model, 2 rounds) the two recorder probes start through
+``workers.run_workers`` like the training workers, each switching the recorder on or off
+in its own process before its group forms, instead of through their environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -79,8 +84,16 @@ def worker(size: str, generations: int, rounds: int, timed: int) -> None:
     dist.destroy_process_group()
 
 
-def recorder_probe(calls: int) -> None:
-    """CPU microseconds per one-process gloo all-reduce (run with and without the recorder)."""
+def recorder_probe(calls: int, recorder: bool | None = None) -> None:
+    """CPU microseconds per one-process gloo all-reduce (run with and without the recorder).
+
+    ``recorder`` (``--quick``) switches the recorder on or off in this process before its
+    group forms, as slipstream does; otherwise the environment it started with decides."""
+    if recorder is not None:
+        for name in [name for name in os.environ if name.startswith("TORCH_FR")]:
+            del os.environ[name]
+        if recorder:
+            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     tensor = torch.ones(8)
     for _ in range(500):
@@ -91,11 +104,14 @@ def recorder_probe(calls: int) -> None:
         for _ in range(calls):
             dist.all_reduce(tensor)
         samples.append((time.process_time() - start) / calls * 1e6)
-    print(f"PROBE {sorted(samples)[len(samples) // 2]:.3f}", flush=True)
+    workers.report({"probe_us": sorted(samples)[len(samples) // 2]})
     dist.destroy_process_group()
 
 
-def _probe(on: bool, calls: int) -> float:
+def _probe(on: bool, calls: int, quick: bool) -> float:
+    if quick:  # one process through workers.py (the suite forks it from a warm worker)
+        arguments = ["--probe", str(calls), "--recorder", "on" if on else "off"]
+        return float(workers.run_workers(__file__, arguments, processes=1)[0]["probe_us"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_FR")}
     env["OMP_NUM_THREADS"] = "1"
     if on:
@@ -105,7 +121,8 @@ def _probe(on: bool, calls: int) -> float:
         capture_output=True, text=True, env=env, check=True,
     )  # fmt: skip
     lines = done.stdout.splitlines()
-    return float(next(line for line in lines if line.startswith("PROBE")).split()[1])
+    report = next(line for line in lines if line.startswith("BENCH "))
+    return float(json.loads(report[len("BENCH ") :])["probe_us"])
 
 
 def main() -> None:
@@ -113,13 +130,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", choices=sorted(SIZES))
     parser.add_argument("--probe", type=int)
+    parser.add_argument("--recorder", choices=["on", "off"], help=argparse.SUPPRESS)
     parser.add_argument("--sizes", nargs="*", choices=sorted(SIZES))
     parser.add_argument("--generations", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--timed", type=int)
     args = parser.parse_args()
     if args.probe:
-        recorder_probe(args.probe)
+        recorder_probe(args.probe, None if args.recorder is None else args.recorder == "on")
         return
     if args.worker:
         worker(args.worker, args.generations, args.rounds, args.timed)
@@ -134,7 +152,7 @@ def main() -> None:
         workers.print_step_ratios(size, result, 6)
         print(f"{size:6s} {result['steps']} paired steps per variant")
     calls = 2000 if args.quick else 20000
-    off, on = _probe(False, calls), _probe(True, calls)
+    off, on = _probe(False, calls, args.quick), _probe(True, calls, args.quick)
     print(
         f"flight recorder: gloo all-reduce CPU {on:.2f} us with vs {off:.2f} us without, "
         f"ratio {on / off:.3f}x"

@@ -19,7 +19,11 @@ pp2 x tp2, ZeRO-3 4, and FSDP 4 with full recomputation (Llama) or dp_shard4 wit
 over ep2 (MoE). Run:
 
     python benchmarks/plan_accuracy.py           # 16 layouts, ~15 minutes on 2 cores
-    python benchmarks/plan_accuracy.py --quick   # one process, in-process (smoke test)
+    python benchmarks/plan_accuracy.py --quick   # one layout on one process (smoke test)
+
+``--quick`` predicts and measures one tiny Llama on one process, started through
+``workers.run_workers`` (the suite forks it from a warm worker): the planner's prediction
+and the verify worker's measurement, without the launcher, the 16 layouts or calibration.
 """
 
 from __future__ import annotations
@@ -70,11 +74,24 @@ def layouts(moe: bool) -> dict[str, Layout]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--quick", action="store_true", help="one tiny layout on one process (smoke test)"
+    )
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.quick:
+    if args.quick and args.worker:
         _quick()
+        return
+    if args.quick:
+        import workers  # benchmarks/workers.py, beside this script
+
+        [report] = workers.run_workers(__file__, ["--quick", "--worker"], processes=1)
+        print(
+            f"quick  1 process  memory predicted {report['predicted_mib']:.1f} MiB measured "
+            f"{report['peak_mib']:.1f} MiB ratio {report['predicted_mib'] / report['peak_mib']:.3f}x; "
+            f"step measured {report['step_seconds']:.3f} s"
+        )
         return
     cases = {
         "llama": (ModelSource("tiny-llama", "config", LLAMA), layouts(moe=False)),
@@ -84,11 +101,11 @@ def main() -> None:
 
 
 def _quick() -> None:
-    """One process, in this process (no launcher): the smoke test's few seconds."""
+    """The one process of ``--quick`` (no launcher: workers.py set its rank's variables)."""
     import contextlib
     import ctypes
-    import os
-    import socket
+
+    import workers
 
     from slipstream.planning.candidates import evaluate
     from slipstream.planning.profile import profile_model
@@ -97,11 +114,6 @@ def _quick() -> None:
     # As MALLOC_MMAP_THRESHOLD_ does for the checked processes: freed blocks leave.
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 131072)  # M_MMAP_THRESHOLD
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # fmt: skip
     source = ModelSource("tiny-llama", "config", QUICK)
     layout = Layout(dp_shard=1, micro_batch=2, mixed_precision="no")
     profile = profile_model(source, SEQUENCE, compute_bytes=4)
@@ -109,11 +121,10 @@ def _quick() -> None:
     spec = {"model": source.as_dict(), "layout": layout.as_dict(), "layers": source.layers,
             "seq_len": SEQUENCE, "steps": 2}  # fmt: skip
     [report] = run(spec) or []
-    print(
-        f"quick  1 process  memory predicted {predicted:.1f} MiB measured "
-        f"{report['peak_mib']:.1f} MiB ratio {predicted / report['peak_mib']:.3f}x; step "
-        f"measured {report['step_seconds']:.3f} s"
-    )
+    workers.report(
+        {"predicted_mib": predicted, "peak_mib": report["peak_mib"],
+         "step_seconds": report["step_seconds"]}
+    )  # fmt: skip
 
 
 def _measure(cases: dict[str, tuple[ModelSource, dict[str, Layout]]], steps: int) -> None:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slipstream.fault_tolerance.lighthouse_process import extension_file
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now."""
@@ -38,6 +40,15 @@ def lighthouse_program() -> str:
             "was not found: pip install 'slipstream[fault-tolerance]' (or torchft>=0.2)"
         )
     return found
+
+
+def lighthouse_command() -> list[str]:
+    """The command that starts a lighthouse: torchft's compiled lighthouse run by this Python
+    without importing torch (lighthouse_process.py; ~2 s of CPU less per lighthouse), else
+    its ``torchft_lighthouse`` program."""
+    if extension_file() is not None:
+        return [sys.executable, str(Path(__file__).with_name("lighthouse_process.py"))]
+    return [lighthouse_program()]
 
 
 class Lighthouse:
@@ -72,7 +83,7 @@ class Lighthouse:
 
     def start(self, wait: float = 20.0) -> Lighthouse:
         command = [
-            lighthouse_program(),
+            *lighthouse_command(),
             "--bind",
             f"{self.host}:{self.port}",
             "--min_replicas",
