@@ -125,9 +125,10 @@ def main() -> None:
             lr = optimizer.param_groups[0]["lr"]
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
-            if dies and die_mode == "allreduce" and started == die_at:
+            if dies and die_mode == "allreduce" and started >= die_at:
                 # Dies inside backward (a hook on the loss fires under DDP, FSDP2 and TP
-                # alike) while the other groups wait in the gradient all-reduce.
+                # alike) while the other groups wait in the gradient all-reduce; at the
+                # first step from STEP on (a group that started late still dies).
                 loss.register_hook(die)
             accelerator.backward(loss)
             optimizer.step()
