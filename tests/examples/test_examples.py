@@ -20,6 +20,12 @@ EVALUATION = re.compile(
 )
 
 
+# One thread per process, as the launcher gives the workers of a job that fills the machine.
+# A lone `python` run would get torch's default, a thread per core, whose idle threads spin
+# waiting for work: on a loaded 2-core machine that doubles the CPU the run costs.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def learning_curve(stdout: str) -> list[tuple[str, float, float]]:
     """(when, held-out loss, accuracy) for each evaluation the example printed."""
     return [
@@ -58,7 +64,7 @@ def test_train_example_on_two_cpu_processes(tmp_path: Path):
 
 
 def test_train_example_on_one_process():
-    result = run_python(TRAIN, "--quick")
+    result = run_python(TRAIN, "--quick", env=ONE_THREAD)
     assert result.returncode == 0, result.stderr
     assert_learns(result.stdout)
     assert "on 1001 samples (1 process, cpu)" in result.stdout
@@ -67,7 +73,7 @@ def test_train_example_on_one_process():
 @pytest.mark.slow
 def test_evaluate_metrics_example_is_exact_on_two_processes():
     example = str(REPO / "examples" / "evaluate_metrics.py")
-    one = run_python(example)
+    one = run_python(example, env=ONE_THREAD)
     two = run_cli("launch", "--num_processes", "2", "--cpu", example)
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     line_one = next(line for line in one.stdout.splitlines() if "accuracy" in line)
@@ -226,7 +232,9 @@ def test_pipeline_example_is_the_same_script_with_and_without_a_pipeline(tmp_pat
         "launch", "-n", "2", "--cpu", example("pipeline_parallel.py"), "--quick",
         "--save", str(tmp_path / "w"), timeout=300,
     )  # fmt: skip
-    alone = run_python(example("pipeline_parallel.py"), "--quick", "--pp", "1", timeout=300)
+    alone = run_python(
+        example("pipeline_parallel.py"), "--quick", "--pp", "1", timeout=300, env=ONE_THREAD
+    )
     assert pipelined.returncode == 0 and alone.returncode == 0, pipelined.stderr + alone.stderr
     assert "pipeline stage 0" in pipelined.stdout and "pipeline stage 1" in pipelined.stdout
     # The same held-out loss and accuracy, before and after training, with or without stages.

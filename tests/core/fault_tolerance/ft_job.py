@@ -2,8 +2,8 @@
 ``slipstream launch --fault_tolerance``: linear regression, one JSON line per step.
 
 Arguments: OUT_DIR STEPS [--die-at STEP --die-replica N|-1 --die-mode allreduce|wait]
-[--step-sleep S] [--fsdp] [--hidden N] [--until-rejoined] [--linger S]. The dying replica group dies
-only in its first life.
+[--also-die N:STEP:MODE] [--step-sleep S] [--fsdp] [--hidden N] [--until-rejoined]
+[--linger S]. A dying replica group dies only in its first life.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--die-replica", type=int, default=1)
     parser.add_argument("--die-mode", default="wait")
+    # A second victim in the same job (REPLICA:STEP:MODE), so one launch covers both ways
+    # of dying: inside the all-reduce and killed from outside between steps.
+    parser.add_argument("--also-die", default="")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--hidden", type=int, default=0)
@@ -91,7 +94,12 @@ def main() -> None:
     if args.resume and saved:
         accelerator.load_state(str(saved[-1]))
     # --die-replica -1: every group dies (the job falls back to its checkpoint).
-    dies = life == 0 and args.die_replica in (replica, -1) and args.die_at >= 0
+    victims = {args.die_replica: (args.die_at, args.die_mode)}
+    if args.also_die:
+        other, step, mode = args.also_die.split(":")
+        victims[int(other)] = (int(step), mode)
+    die_at, die_mode = victims.get(replica, victims.get(-1, (-1, "")))
+    dies = life == 0 and die_at >= 0
     out = Path(args.out)
     name = f"replica{replica}-rank{accelerator.process_index}-life{life}"
     log = (out / f"{name}.jsonl").open("a", buffering=1)
@@ -117,9 +125,10 @@ def main() -> None:
             lr = optimizer.param_groups[0]["lr"]
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
-            if dies and args.die_mode == "allreduce" and started == args.die_at:
+            if dies and die_mode == "allreduce" and started >= die_at:
                 # Dies inside backward (a hook on the loss fires under DDP, FSDP2 and TP
-                # alike) while the other groups wait in the gradient all-reduce.
+                # alike) while the other groups wait in the gradient all-reduce; at the
+                # first step from STEP on (a group that started late still dies).
                 loss.register_hook(die)
             accelerator.backward(loss)
             optimizer.step()
@@ -152,7 +161,7 @@ def main() -> None:
                 every = args.checkpoint_every
                 if replica == 0 and every and accelerator.step % every == 0:
                     accelerator.save_state(str(Path(args.checkpoint) / f"step_{accelerator.step}"))
-            if dies and args.die_mode == "wait" and accelerator.step >= args.die_at:
+            if dies and die_mode == "wait" and accelerator.step >= die_at:
                 (out / "victim-ready").write_text(str(os.getpid()))
                 time.sleep(60)  # the test kills us here
             if args.step_sleep:

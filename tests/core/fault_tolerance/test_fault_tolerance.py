@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +79,22 @@ def _replay(logs: dict[str, list[dict[str, Any]]], hidden: int) -> list[float]:
 
 def _check_job(
     out: Path,
-    victim: str,
+    victims: tuple[str, ...],
     groups: int,
     ranks: int = 1,
     hidden: int = 0,
     tensor_parallel: int = 1,
     solved: bool = True,
 ) -> None:
-    """The promises of fault tolerance, read from the logs of a job that lost ``victim``
-    (``replica{N}``) once; ``ranks`` processes per group."""
+    """The promises of fault tolerance, read from the logs of a job that lost each of
+    ``victims`` (``replica{N}``) once; ``ranks`` processes per group."""
     logs = _logs(out)
-    survivors = {k: v for k, v in logs.items() if not k.startswith(victim)}
-    reborn = {k: v for k, v in logs.items() if k.startswith(victim) and k.endswith("life1")}
-    assert len(reborn) == ranks, f"the killed group did not come back: {sorted(logs)}"
+    survivors = {k: v for k, v in logs.items() if not k.startswith(victims)}
+    assert survivors, f"no group survived: {sorted(logs)}"
+    reborn = {k: v for k, v in logs.items() if k.startswith(victims) and k.endswith("life1")}
+    for victim in victims:
+        back = [k for k in reborn if k.startswith(victim)]
+        assert len(back) == ranks, f"{victim} did not come back: {sorted(logs)}"
     finals = [rows[-1]["final"] for rows in [*survivors.values(), *reborn.values()]]
     # Every live group ends with the same model: the one a single process gets from the
     # committed steps and their samples (a discarded step left no trace), and (``solved``:
@@ -104,7 +108,8 @@ def _check_job(
     for name, rows in survivors.items():
         steps = [r for r in rows if "step" in r]
         discarded = [r for r in steps if not r["committed"]]
-        assert len(discarded) <= 1, f"{name} lost {len(discarded)} steps"
+        # At most one step lost per group that died.
+        assert len(discarded) <= len(victims), f"{name} lost {len(discarded)} steps"
         # The step after a peer dies waits at most the heartbeat timeout (+2 s).
         gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(steps)]
         assert max(gaps) <= HEARTBEAT + 2.0, f"{name} stalled {max(gaps):.2f} s"
@@ -112,7 +117,7 @@ def _check_job(
         # group that started late joins at the others' step).
         committed = [r["step"] for r in steps if r["committed"]]
         assert committed == list(range(committed[0], committed[0] + len(committed)))
-    # The restarted group starts from the survivors' weights at that very step (every
+    # A restarted group starts from the survivors' weights at that very step (every
     # process logs the whole model, gathered from its shards).
     survivor = next(iter(survivors.values()))
     for rows in reborn.values():
@@ -146,55 +151,91 @@ def _check_epochs(logs: dict[str, list[dict[str, Any]]]) -> None:
             assert sorted(samples) == list(range(96)), f"epoch {epoch} dropped samples"
 
 
-@pytest.mark.timeout(150)
-def test_two_groups_survive_a_kill_during_the_gradient_all_reduce(tmp_path: Path) -> None:
-    # replica 1 dies (SIGKILL) inside backward at step 5 while replica 0 waits in the
-    # all-reduce; its agent restarts it and it rejoins from replica 0's state.
+@pytest.fixture(scope="module")
+def three_groups_lose_two(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One job of 3 replica groups that loses two of them, each in its own way: replica 1
+    dies (SIGKILL) inside backward at step 3 while the others wait in the gradient
+    all-reduce; replica 2 is killed from outside between steps, after step 6. Each agent
+    restarts its group, which rejoins from a live group's state."""
+    out = tmp_path_factory.mktemp("three_groups")
+    job = [
+        "40", "--die-at", "3", "--die-mode", "allreduce", "--also-die", "2:6:wait",
+        "--step-sleep", "0.2", "--until-rejoined",
+    ]  # fmt: skip
     result = run_fault_tolerant_job(
-        JOB,
-        tmp_path,
-        [
-            "40",
-            "--die-at",
-            "3",
-            "--die-mode",
-            "allreduce",
-            "--step-sleep",
-            "0.2",
-            "--until-rejoined",
-        ],
-        processes=2,
-        groups=2,
+        JOB, out, job, processes=3, groups=3, kill_when=out / "victim-ready", timeout=180
     )
     assert result.returncode == 0, result.stdout[-3000:]
-    _check_job(tmp_path, "replica1", groups=2)
+    return out, result
+
+
+def _summaries(said: list[str]) -> dict[str, str]:
+    """Each group's summary line from the launcher, by group."""
+    found = [re.match(r"replica group (replica_\d+): (finished|stopped)", line) for line in said]
+    return {m.group(1): line for m, line in zip(found, said, strict=True) if m}
+
+
+def _counted(logs: dict[str, list[dict[str, Any]]], group: str) -> tuple[int, int]:
+    """The steps a group committed and discarded, from its own logs, over the lives that
+    ended (a killed life leaves no summary, so the launcher does not count its steps)."""
+    rows = [
+        r
+        for name, life in logs.items()
+        if name.startswith(group.replace("_", "") + "-") and life and "final" in life[-1]
+        for r in life
+        if "step" in r
+    ]
+    return sum(r["committed"] for r in rows), sum(not r["committed"] for r in rows)
+
+
+@pytest.mark.timeout(200)
+def test_a_group_killed_during_the_gradient_all_reduce_rejoins(
+    three_groups_lose_two: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    out, result = three_groups_lose_two
     # What the user sees: one line per event, from the launcher, and a summary per group;
     # not torchelastic's lines nor the HTTP access log of the state transfer.
     said = _launcher_lines(result.stdout)
     # (Besides these, a group that started a step late says it joined late.)
     said = [line for line in said if "joined late" not in line]
-    lost, rejoined, *summaries = said
-    assert lost == "replica group replica_1 lost (SIGKILL) at step 3; restart 1/1", said
-    assert re.fullmatch(
-        r"replica group replica_1 rejoined at step \d+, state copied from replica_0 in "
-        r"\d+\.\d s",
-        rejoined,
-    ), said
+    summaries = _summaries(said)
+    events = [line for line in said if line not in summaries.values()]
+    assert said[-3:] == list(summaries.values()) and len(summaries) == 3, said
+    assert "replica group replica_1 lost (SIGKILL) at step 3; restart 1/1" in events, said
+    assert [line for line in events if "replica_2 lost" in line] == [
+        "replica group replica_2 lost (SIGKILL) at step 6; restart 1/1"
+    ], said
+    for group in ("replica_1", "replica_2"):
+        rejoined = [line for line in events if line.startswith(f"replica group {group} rejoined")]
+        assert len(rejoined) == 1, said
+        assert re.fullmatch(
+            rf"replica group {group} rejoined at step \d+, state copied from replica_[012] in "
+            r"\d+\.\d s",
+            rejoined[0],
+        ), said
+    assert len(events) == 4, said
     # (A group may start a step late and copy the other's state: a recovery at the start.)
     assert re.fullmatch(
-        r"replica group replica_0: finished at step \d+; \d+ steps committed, [01] "
+        r"replica group replica_0: finished at step \d+; \d+ steps committed, [012] "
         r"discarded, [01] recover(y|ies) from a peer, 0 restarts",
-        summaries[0],
+        summaries["replica_0"],
     ), said
-    assert re.fullmatch(
-        r"replica group replica_1: finished at step \d+; \d+ steps? committed, 0 discarded, "
-        r"[12] recover(y|ies) from a peer, 1 restart",
-        summaries[1],
-    ), said
-    assert len(summaries) == 2, said
+    for group in ("replica_1", "replica_2"):
+        assert re.fullmatch(
+            rf"replica group {group}: finished at step \d+; \d+ steps? committed, [01] "
+            r"discarded, [12] recover(y|ies) from a peer, 1 restart",
+            summaries[group],
+        ), said
+    # Each summary counts exactly the steps the group's logs show as committed and discarded.
+    logs = _logs(out)
+    for group, line in summaries.items():
+        counts = re.search(r"(\d+) steps? committed, (\d+) discarded", line)
+        assert counts and tuple(map(int, counts.groups())) == _counted(logs, group), (group, said)
     assert "GET /checkpoint" not in result.stdout and "exitcode" not in result.stdout
     # `ps` names each worker's group, and each group's agent.
-    shown = (tmp_path / "replica1-rank0-life1.ps").read_text().splitlines()
+    shown = (out / "replica1-rank0-life1.ps").read_text().splitlines()
     assert "slipstream.launcher.worker --replica_group replica_1 " in shown[0], shown
     assert "slipstream.launcher.group_agent replica_1 " in shown[1], shown
 
@@ -204,29 +245,13 @@ def _launcher_lines(output: str) -> list[str]:
     return [line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)]
 
 
-@pytest.mark.timeout(150)
-def test_three_groups_survive_a_kill_between_steps(tmp_path: Path) -> None:
-    result = run_fault_tolerant_job(
-        JOB,
-        tmp_path,
-        [
-            "40",
-            "--die-at",
-            "3",
-            "--die-mode",
-            "wait",
-            "--step-sleep",
-            "0.2",
-            "--until-rejoined",
-            "--die-replica",
-            "2",
-        ],
-        processes=3,
-        groups=3,
-        kill_when=tmp_path / "victim-ready",
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
-    _check_job(tmp_path, "replica2", groups=3)
+@pytest.mark.timeout(200)
+def test_three_groups_survive_a_kill_between_steps(
+    three_groups_lose_two: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    # The same job: replica 0 survives both losses; both victims come back.
+    out, _ = three_groups_lose_two
+    _check_job(out, ("replica1", "replica2"), groups=3)
 
 
 @pytest.mark.timeout(150)
@@ -257,7 +282,7 @@ def test_hsdp_two_groups_of_two_survive_a_kill_during_the_gradient_all_reduce(
     assert {r["strategy"] for r in _logs(tmp_path)["replica0-rank0-life0"] if "step" in r} == {
         "fsdp"
     }
-    _check_job(tmp_path, "replica1", groups=2, ranks=2, solved=False)
+    _check_job(tmp_path, ("replica1",), groups=2, ranks=2, solved=False)
 
 
 @pytest.mark.timeout(150)
@@ -293,7 +318,9 @@ def test_tensor_parallel_groups_survive_a_kill_between_steps(tmp_path: Path) -> 
     assert {r["strategy"] for r in _logs(tmp_path)["replica0-rank0-life0"] if "step" in r} == {
         "model_parallel"
     }
-    _check_job(tmp_path, "replica1", groups=2, ranks=2, hidden=4, tensor_parallel=2, solved=False)
+    _check_job(
+        tmp_path, ("replica1",), groups=2, ranks=2, hidden=4, tensor_parallel=2, solved=False
+    )
 
 
 @pytest.mark.timeout(150)
