@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from slipstream.runtime.state import set_current_state
 from tests.distributed import s3_server
@@ -73,6 +74,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # CUDA paths in one run).
 if os.environ.get("SLIPSTREAM_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+# One CPU thread per process, in this process and every process a test starts (unless the
+# developer chose a count): the suite runs on 2 pytest workers whose tests start processes
+# of their own, so the cores are taken already, and OpenMP threads idling between parallel
+# regions spin: a one-process example run cost twice the CPU with 2 threads, for the same
+# numbers. The launcher's own choice (cores / processes) is tested without it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
