@@ -20,8 +20,10 @@ hold back the sends behind it.
 
 The multi-stage schedules already run from a list of actions with the sends and receives
 in it (``pipeline_order_with_comms``); their receives move to the front. GPipe and 1F1B run
-a hand-written loop, so they get torch's action runner (``_PipelineScheduleRuntime``) with
-the same computation order, lowered to sends and receives by torch and then reordered.
+a hand-written loop, so they become torch's ``_PipelineScheduleRuntime`` with the same
+computation order, lowered to sends and receives by torch and then reordered. Either runs
+through slipstream's ``ActionRunner`` (runner.py: no profiler range around every action
+unless a profiler records) when its stages are not FSDP-wrapped.
 
 Example::
 
@@ -35,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .runner import ActionRunner
 
 
 def posts_without_blocking(group: Any, stages: list[Any]) -> bool:
@@ -97,4 +101,6 @@ def with_early_receives(
         schedule._prepare_schedule_with_comms(orders)
     lowered = schedule.pipeline_order_with_comms
     lowered[schedule.rank] = _receives_first(lowered[schedule.rank])
+    if ActionRunner.applies_to(schedule):
+        schedule._step_microbatches = ActionRunner(schedule)
     return schedule
