@@ -63,18 +63,16 @@ class ActionRunner:
         first_target = target_mbs[0] if target_mbs is not None else None
         schedule._initialize_stages(args[0], kwargs[0], first_target, loss_kwargs)
         step = _Step(schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs)
-        try:
-            for action in schedule.pipeline_order_with_comms[schedule.rank]:
-                label = (
-                    torch.profiler.record_function(f"PP:{action}")
-                    if profiler._is_profiler_enabled
-                    else contextlib.nullcontext()
-                )
-                with label:
-                    step.run(action)
-        finally:
-            for work in step.sends:
-                work.wait()
+        for action in schedule.pipeline_order_with_comms[schedule.rank]:
+            label = (
+                torch.profiler.record_function(f"PP:{action}")
+                if profiler._is_profiler_enabled
+                else contextlib.nullcontext()
+            )
+            with label:
+                step.run(action)
+        # Long done, as a rule; waited on so that no buffer is reused while it is sent.
+        step.helpers._wait_batch_p2p(step.sends)
         schedule._update_losses(schedule._stages, losses)
 
 
@@ -93,6 +91,7 @@ class _Step:
         from torch.distributed.pipelining import schedules
 
         self.kinds, self.post = schedules._ComputationType, schedules._batch_p2p
+        self.helpers = schedules  # its _wait_batch_p2p, looked up when waiting
         self.schedule = schedule
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
         self.args, self.kwargs, self.targets = args, kwargs, targets
@@ -136,8 +135,7 @@ class _Step:
     def _wait(self, key: tuple[str, int, int]) -> None:
         if key not in self.receives:
             raise RuntimeError(f"pipeline action {key} runs before its receive was posted")
-        for work in self.receives.pop(key):
-            work.wait()
+        self.helpers._wait_batch_p2p(self.receives.pop(key))
 
     def _forward(self, stage: Any, index: int, chunk: int) -> None:
         if not stage.is_first and index - 1 not in self.stages:
