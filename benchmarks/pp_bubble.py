@@ -35,6 +35,15 @@ the schedule's Python, posting sends and receives, splitting the batch. The prin
 the step against the step theory allows for the same compute, (1 - theory) / (1 - idle):
 1.00 would be a pipeline that loses nothing but its schedule's bubble.
 
+Each schedule is measured three ways in one run, rotated round by round: **slipstream**
+(over gloo its receives are posted when the step starts and its own action runner carries
+out the schedule: core/parallel/pipeline/receives.py, runner.py), **torch schedule**
+(slipstream running torch's schedule as it is, ``PipelineRuntime.set_early_receives(False)``:
+what slipstream did before) and **torch loop** (the hand-written loop: the same blocks split
+by hand, a ``PipelineStage`` per local stage and torch's schedule class). Their final
+gradients are the same bits (tests/core/parallel/test_pipeline_receives.py); only where the
+idle time goes differs.
+
 On 2 processes on the 2-core machine each process has a core of its own (OMP_NUM_THREADS=1)
 and these are the headline figures. With 4 processes on 2 cores, whenever more than two
 processes compute at once they share the cores: their actions stretch in wall time (the
@@ -43,6 +52,7 @@ busy, so the measured idle fraction is not the schedule's; read those rows as a 
 
     python benchmarks/pp_bubble.py            # pp2 (m=4, 8) and pp4 (m=8), every schedule
     python benchmarks/pp_bubble.py --quick    # smoke test: pp2, m=4, three schedules
+    python benchmarks/pp_bubble.py --cases 2x4 --schedules 1f1b,zbv --rounds 5 --timed 3
 """
 
 from __future__ import annotations
