@@ -5,15 +5,16 @@ posted the matching receive only announces itself, and the data moves when the r
 announcement reaches the sender's I/O thread. torch's schedules post each receive just
 before the action that needs it (``Schedule1F1B`` even fuses it with a send and waits on
 both), so the sender has usually moved on to its next action by then, and the data waits
-for its I/O thread to be scheduled beside that computation: measured on 2 CPU processes,
-a backward's input gradient reached the previous stage 2.5 to 5 ms after it was sent, against
-0.01 to 0.3 ms when the receive was already posted.
+for its I/O thread to be scheduled beside that computation: on 2 loaded CPU processes a
+backward's input gradient reached the previous stage 5.4-5.5 ms after its send was posted.
+Posted early, the receive is known to the sender, whose send writes the data at once (in
+a trace at a similar load the wait ended 0.14-0.24 ms after the send was posted).
 
 Posting on gloo never blocks; only waits do. So every receive of the step is posted at its
 start, in the order torch's schedule posts them (gloo matches the sends and receives of a
 pair in order, so each receive gets the same message as before), and every wait stays
-where torch's schedule has it: no wait can end later than before, the computation and its
-order are torch's, and gradients are bitwise the same. The receive buffers are per
+where torch's schedule has it: each wait still needs only what it needed before (no new
+deadlock), the computation and its order are torch's, and gradients are bitwise the same. The receive buffers are per
 micro-batch and untouched before their action. Other backends keep torch's schedule: NCCL
 runs a pair's operations in the order they are posted, so a receive posted early would
 hold back the sends behind it.
