@@ -35,6 +35,15 @@ the schedule's Python, posting sends and receives, splitting the batch. The prin
 the step against the step theory allows for the same compute, (1 - theory) / (1 - idle):
 1.00 would be a pipeline that loses nothing but its schedule's bubble.
 
+Each schedule is measured three ways in one run, rotated round by round: **slipstream**
+(over gloo its receives are posted when the step starts and its own action runner carries
+out the schedule: core/parallel/pipeline/receives.py, runner.py), **torch schedule**
+(slipstream running torch's schedule as it is, ``PipelineRuntime.set_early_receives(False)``:
+what slipstream did before) and **torch loop** (the hand-written loop: the same blocks split
+by hand, a ``PipelineStage`` per local stage and torch's schedule class). Their final
+gradients are the same bits (tests/core/parallel/test_pipeline_receives.py); only where the
+idle time goes differs.
+
 On 2 processes on the 2-core machine each process has a core of its own (OMP_NUM_THREADS=1)
 and these are the headline figures. With 4 processes on 2 cores, whenever more than two
 processes compute at once they share the cores: their actions stretch in wall time (the
@@ -43,6 +52,7 @@ busy, so the measured idle fraction is not the schedule's; read those rows as a 
 
     python benchmarks/pp_bubble.py            # pp2 (m=4, 8) and pp4 (m=8), every schedule
     python benchmarks/pp_bubble.py --quick    # smoke test: pp2, m=4, three schedules
+    python benchmarks/pp_bubble.py --cases 2x4 --schedules 1f1b,zbv --rounds 5 --timed 3
 """
 
 from __future__ import annotations
@@ -60,6 +70,12 @@ import workers  # benchmarks/workers.py, beside this script
 from models import Block
 from torch import nn
 
+from slipstream.parallel.config_values import PIPELINE_SCHEDULES as PIPELINE_CLASSES
+
+# What each schedule is measured as: slipstream (receives posted when the step starts, over
+# gloo), slipstream running torch's schedule as it is ("before"), and the hand-written torch
+# loop.
+VARIANTS = ("slipstream", "torch schedule", "torch loop")
 SCHEDULES = (
     "gpipe",
     "1f1b",
@@ -228,47 +244,108 @@ def closed_form(schedule: str, pp: int, microbatches: int, per_rank: int) -> flo
     return None
 
 
-def worker(
-    pp: int, microbatches: int, schedules: list[str], rounds: int, timed: int, micro_batch: int
-) -> None:
+class HandWritten:
+    """The hand-written torch loop: the same blocks split by hand into the same stages, a
+    ``PipelineStage`` per local stage and torch's schedule class, inputs where the first
+    stage runs and targets where the last does."""
+
+    def __init__(self, schedule: str, pp: int, microbatches: int, per_rank: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        from slipstream.parallel.pipeline.runtime import resolve_plan
+
+        self.plan = resolve_plan(pp, schedule, microbatches, per_rank)
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
+        per_stage = BLOCKS // self.plan.num_stages
+        local = self.plan.stages_of(dist.get_rank())
+        self.stages = [
+            PipelineStage(model[i * per_stage : (i + 1) * per_stage], i, self.plan.num_stages,
+                          torch.device("cpu"))
+            for i in local
+        ]  # fmt: skip
+        self.holds_first, self.holds_last = 0 in local, self.plan.num_stages - 1 in local
+        cls = getattr(schedules, PIPELINE_CLASSES[schedule])
+        single = schedule in ("gpipe", "1f1b")
+        self.schedule = cls(self.stages[0] if single else self.stages,
+                            n_microbatches=microbatches, loss_fn=F.mse_loss)  # fmt: skip
+        parameters = [p for stage in self.stages for p in stage.submod.parameters()]
+        self.optimizer = torch.optim.AdamW(parameters, lr=1e-4)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        inputs = (x,) if self.holds_first else ()
+        self.schedule.step(*inputs, target=y if self.holds_last else None)
+
+
+def _variant(
+    variant: str, schedule: str, pp: int, microbatches: int
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], Any], torch.optim.Optimizer, Any]:
+    """(forward and backward of a batch, the optimizer, what holds ``stages``/``schedule``/
+    ``plan``) for one variant of one schedule."""
     from slipstream import Accelerator, ParallelismConfig
     from slipstream.parallel.pipeline import pipeline_of
 
+    if variant == "torch loop":
+        per_rank = 1 if schedule in ("gpipe", "1f1b") else 2
+        hand = HandWritten(schedule, pp, microbatches, per_rank)
+        return hand.forward_backward, hand.optimizer, hand
+    config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=microbatches)
+    accelerator = Accelerator(parallelism_config=config)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    runtime = pipeline_of(accelerator.unwrap_model(model))
+    assert runtime is not None
+    # "before": torch's schedule as it is (receives posted just before their action).
+    runtime.set_early_receives(variant == "slipstream")
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> Any:
+        return accelerator.forward_backward(model, x, target=y, loss_fn=F.mse_loss)
+
+    return forward_backward, optimizer, runtime
+
+
+def worker(
+    pp: int,
+    microbatches: int,
+    schedules: list[str],
+    rounds: int,
+    timed: int,
+    micro_batch: int,
+    variants: list[str],
+) -> None:
     dist.init_process_group("gloo")
     active: list[Recorder | None] = [None]
     _instrument_waits(active)
-    runs: dict[str, tuple[Any, nn.Module, torch.optim.Optimizer, Recorder, Any]] = {}
+    runs: dict[tuple[str, str], tuple[Any, torch.optim.Optimizer, Recorder, Any]] = {}
     for schedule in schedules:
-        config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=microbatches)
-        accelerator = Accelerator(parallelism_config=config)
-        torch.manual_seed(0)
-        model = nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        model, optimizer = accelerator.prepare(model, optimizer)
-        runtime = pipeline_of(accelerator.unwrap_model(model))
-        assert runtime is not None
-        recorder = Recorder()
-        recorder.instrument(runtime.stages)
-        runs[schedule] = (accelerator, model, optimizer, recorder, runtime)
+        for variant in variants:
+            forward_backward, optimizer, holder = _variant(variant, schedule, pp, microbatches)
+            recorder = Recorder()
+            recorder.instrument(holder.stages)
+            runs[schedule, variant] = (forward_backward, optimizer, recorder, holder)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(micro_batch * microbatches, WIDTH, generator=generator)
     y = torch.randn(micro_batch * microbatches, WIDTH, generator=generator)
-    # Per schedule and timed step: (step seconds, busy seconds, busy CPU seconds, waiting).
-    steps: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in schedules}
-    actions: dict[str, list[Action]] = {s: [] for s in schedules}
-    orders: dict[str, list[tuple[str, int, int]]] = {}
+    keys = list(runs)
+    # Per run and timed step: (step seconds, busy seconds, busy CPU seconds, waiting).
+    steps: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {k: [] for k in keys}
+    actions: dict[tuple[str, str], list[Action]] = {k: [] for k in keys}
+    orders: dict[tuple[str, str], list[tuple[str, int, int]]] = {}
     for round_index in range(rounds):
-        shift = round_index % len(schedules)
-        for schedule in schedules[shift:] + schedules[:shift]:
-            accelerator, prepared, trainer, recorder, runtime = runs[schedule]
+        # Rotated each round, so that no variant always runs first (or after another).
+        shift = round_index % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            forward_backward, trainer, recorder, holder = runs[key]
             for step in range(WARMUP_STEPS + timed):
-                if runtime.schedule is not recorder.schedule:  # built anew by the runtime
-                    recorder.instrument_loss(runtime.schedule)
+                if holder.schedule is not recorder.schedule:  # built anew by the runtime
+                    recorder.instrument_loss(holder.schedule)
                 recorder.actions, recorder.waits = [], []
                 dist.barrier()
                 active[0] = recorder
                 start = time.perf_counter()
-                accelerator.forward_backward(prepared, x, target=y, loss_fn=F.mse_loss)
+                forward_backward(x, y)
                 dist.barrier()  # the step ends for every process when the last one is done
                 end = time.perf_counter()
                 active[0] = None
@@ -278,18 +355,17 @@ def worker(
                     continue
                 busy = sum(wall for *_, wall, _ in recorder.actions)
                 cpu = sum(cpu for *_, cpu in recorder.actions)
-                steps[schedule].append((end - start, busy, cpu, recorder.waiting(end)))
-                actions[schedule] += recorder.actions
-                orders[schedule] = _order(recorder.actions)
+                steps[key].append((end - start, busy, cpu, recorder.waiting(end)))
+                actions[key] += recorder.actions
+                orders[key] = _order(recorder.actions)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.gather_object((steps, actions, orders), gathered if dist.get_rank() == 0 else None)
     if dist.get_rank() == 0:
-        for schedule in schedules:
-            per_rank = runs[schedule][4].plan.stages_per_rank
-            workers.report(
-                _summary(schedule, pp, microbatches, per_rank, [g[0][schedule] for g in gathered],
-                         [g[1][schedule] for g in gathered], [g[2][schedule] for g in gathered])
-            )  # fmt: skip
+        for key in keys:
+            per_rank = runs[key][3].plan.stages_per_rank
+            result = _summary(key[0], pp, microbatches, per_rank, [g[0][key] for g in gathered],
+                              [g[1][key] for g in gathered], [g[2][key] for g in gathered])  # fmt: skip
+            workers.report({**result, "variant": key[1]})
     dist.destroy_process_group()
 
 
@@ -350,13 +426,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--timed", type=int)
     parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
+    parser.add_argument("--cases", help="processes x micro-batches, e.g. 2x4,2x8")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.microbatches, args.schedules.split(","), args.rounds, args.timed,
-               args.micro_batch)  # fmt: skip
+               args.micro_batch, args.variants.split(","))  # fmt: skip
         return
     cases = {(2, 4): (1, 2)} if args.quick else CASES
+    if args.cases:
+        chosen = [tuple(int(n) for n in case.split("x")) for case in args.cases.split(",")]
+        cases = {case: CASES.get(case, (3, 2)) for case in chosen}  # type: ignore[misc]
     schedules = ["gpipe", "1f1b", "zbv"] if args.quick else list(SCHEDULES)
+    schedules = args.schedules.split(",") if args.schedules else schedules
     print(
         f"{BLOCKS} MLP blocks {WIDTH} wide in equal stages, {args.micro_batch} samples per "
         "micro-batch; idle = the processes' unused share of the step"
@@ -365,20 +447,24 @@ def main() -> None:
         arguments = ["--worker", str(pp), "--microbatches", str(microbatches),
                      "--schedules", ",".join(schedules), "--rounds", str(args.rounds or rounds),
                      "--timed", str(args.timed or timed),
-                     "--micro-batch", str(args.micro_batch)]  # fmt: skip
-        for result in workers.run_workers(__file__, arguments, processes=pp):
-            _print(result)
+                     "--micro-batch", str(args.micro_batch), "--variants", args.variants]  # fmt: skip
+        results = workers.run_workers(__file__, arguments, processes=pp)
+        for schedule in schedules:
+            for result in results:
+                if result["schedule"] == schedule:
+                    _print(result)
 
 
 def _print(result: dict[str, Any]) -> None:
-    label = f"pp{result['pp']} m={result['microbatches']} {result['schedule']}"
+    label = f"pp{result['pp']} m={result['microbatches']} {result['schedule']} {result['variant']}"
     closed = result["closed_form"]
     formula = f" (closed form {closed:.3f})" if closed is not None else ""
     low, high = result["idle_range"]
     # The step against the step theory allows for the same compute: busy / (1 - theory).
     ratio = (1 - result["theory"]) / (1 - result["idle"])
     print(
-        f"{label:26s} idle {result['idle']:.3f} ({low:.3f}-{high:.3f}) vs theory "
+        f"{label:42s} idle {result['idle']:.3f} ({low:.3f}-{high:.3f}), "
+        f"{result['idle'] - result['ideal_here']:+.3f} over ideal here; theory "
         f"{result['theory']:.3f}{formula}, ideal here {result['ideal_here']:.3f}; waiting on "
         f"other stages {result['waiting']:.3f}; stretch {result['stretch']:.2f}; "
         f"{result['step_ms']:.1f} ms steps, forward {result['forward_ms']:.2f} ms, "

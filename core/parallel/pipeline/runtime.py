@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..config_values import PIPELINE_SCHEDULES, schedule_name
 from ..errors import ParallelismConfigError
+from .receives import posts_without_blocking, with_early_receives
 
 #: Schedules that run one stage per process; the others run several ("virtual" stages).
 SINGLE_STAGE = ("gpipe", "1f1b")
@@ -100,7 +101,9 @@ def _schedule_class(name: str) -> Any:
 class PipelineRuntime:
     """The stages this process runs, their schedule and the pipeline's process group."""
 
-    def __init__(self, stages: list[Any], group: Any, plan: PipelinePlan) -> None:
+    def __init__(
+        self, stages: list[Any], group: Any, plan: PipelinePlan, early_receives: bool = True
+    ) -> None:
         self.stages = stages
         self.group = group
         self.plan = plan
@@ -110,6 +113,8 @@ class PipelineRuntime:
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._reported: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
         self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        # Over gloo every receive of a step is posted when it starts (see receives.py).
+        self.early_receives = early_receives and posts_without_blocking(group, stages)
         self.schedule = self._new_schedule()
         self._signature: Any = None
 
@@ -119,12 +124,23 @@ class PipelineRuntime:
         # Gradients are averaged over micro-batches through the loss (see _loss), not by
         # torch's scale_grads: that divides every .grad after the step, which would also
         # shrink the gradients accumulated by earlier steps of a gradient-accumulation cycle.
-        return cls(
+        schedule = cls(
             stages,
             n_microbatches=self.plan.microbatches,
             loss_fn=self._loss,
             scale_grads=False,
         )
+        if not self.early_receives:
+            return schedule
+        return with_early_receives(
+            schedule, self.plan.schedule, self.stages, self.plan.microbatches, self._loss
+        )
+
+    def set_early_receives(self, enabled: bool) -> None:
+        """Post each step's receives when it starts (over gloo; the default) or run torch's
+        schedule as it is (for comparisons)."""
+        self.early_receives = enabled and posts_without_blocking(self.group, self.stages)
+        self.schedule = self._new_schedule()
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
