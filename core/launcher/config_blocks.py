@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..options.errors import ConfigError
 
-if TYPE_CHECKING:
-    from .config import LaunchConfig
+#: The functions below take a :class:`~slipstream.launcher.config.LaunchConfig` (typed
+#: ``Any``: that module imports this one).
+LaunchConfig = Any
 
 
 def suggest(key: str, candidates: Any) -> str:
