@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import textwrap
@@ -94,6 +95,9 @@ def test_cpu_jobs_fork_and_gpu_jobs_exec_unless_told():
         assert fork_wanted(LaunchConfig(worker_start="fork"))
         assert not fork_wanted(LaunchConfig(use_cpu=True, worker_start="exec"))
         assert not fork_wanted(LaunchConfig(use_cpu=True), no_python=True)
+        tolerant = LaunchConfig(use_cpu=True, fault_tolerance_config={"replica_groups": 2})
+        assert not fork_wanted(tolerant)  # its recovery timelines: fresh interpreters
+        assert fork_wanted(dataclasses.replace(tolerant, worker_start="fork"))
     with patch_environment(cuda_visible_devices=""):
         assert fork_wanted(LaunchConfig(use_cpu=False))  # no GPU visible: a CPU job
 
