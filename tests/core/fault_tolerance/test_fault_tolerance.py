@@ -375,10 +375,11 @@ def test_losing_every_group_falls_back_to_the_checkpoint(tmp_path: Path) -> None
     # The groups start again at the checkpoint's step, from its weights: what the first
     # life had before step 4 (its step 4 is lost with it).
     checkpointed = next(r for r in first_life if r["step"] == 4)
-    starts = sorted(rows[0]["step"] for rows in restarted.values())
+    # (A group restarted after the other has finished the training stops without a step.)
+    starts = sorted(rows[0]["step"] for rows in restarted.values() if rows)
     assert starts[0] == 4, starts
     for rows in restarted.values():
-        if rows[0]["step"] == 4:
+        if rows and rows[0]["step"] == 4:
             assert rows[0]["weights"] == checkpointed["weights"]
             assert rows[0]["lr_used"] == pytest.approx(checkpointed["lr_used"])
     # The final model is the one a single process gets from the committed steps up to the
