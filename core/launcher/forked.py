@@ -6,7 +6,7 @@ spends a minute of CPU before training starts. ``slipstream launch`` instead run
 elastic agent with a function entry point and the ``fork`` start method: each worker is a
 copy of the agent (torch, slipstream and the Accelerator imported, nothing else run), made
 to look like a fresh interpreter before the script starts — ``python -u``'s unbuffered
-output, default signal handlers, none of the agent's exit handlers, its own thread count,
+output, default signal handlers, its own thread count,
 fresh torch and NumPy randomness, ``sys.path[0]`` the working directory, multiprocessing's
 main process.
 
@@ -30,7 +30,6 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..runtime.env import cpu_threads_requested, visible_gpu_ids
@@ -78,15 +77,12 @@ def run_agent(namespace: argparse.Namespace, *, fork: bool) -> None:
     _torchrun_rendezvous_defaults(namespace)
     config, _, _ = config_from_args(namespace)
     config = dataclasses.replace(config, start_method="fork")
-    # Exit handlers the agent registers from here on are its own, not a fresh worker's.
-    atexit.register = _recording_exit_function  # type: ignore[assignment]
     standard = processes.MultiprocessContext
     # start_processes makes its context for function workers from this name.
     processes.MultiprocessContext = _forked_workers_class()  # type: ignore[misc]
     try:
         elastic_launch(config, entrypoint=forked_worker)(*namespace.training_script_args)
     finally:
-        atexit.register = _register_exit_function
         processes.MultiprocessContext = standard  # type: ignore[misc]
 
 
@@ -114,17 +110,6 @@ def _forked_workers_class() -> Any:
             return result
 
     return ForkedWorkers
-
-
-_register_exit_function = atexit.register
-_agent_exit_functions: list[Callable[..., Any]] = []
-
-
-def _recording_exit_function(
-    function: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Callable[..., Any]:
-    _agent_exit_functions.append(function)
-    return _register_exit_function(function, *args, **kwargs)
 
 
 def _torchrun_rendezvous_defaults(namespace: argparse.Namespace) -> None:
@@ -167,9 +152,6 @@ def forked_worker(*argv: str) -> None:
 
 def _look_fresh() -> None:
     """Undo what a fork inherits from the agent and a fresh interpreter would not have."""
-    atexit.register = _register_exit_function
-    for function in _agent_exit_functions:  # the agent's own (its log folders, say)
-        atexit.unregister(function)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in _AGENT_SIGNALS:
         if hasattr(signal, name):
