@@ -29,6 +29,19 @@ os.environ.setdefault(
 _deepspeed_build: subprocess.Popen[bytes] | None = None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On pytest-xdist workers (`-n 2`), keep each file's tests on one worker (`--dist
+    loadfile`) unless the command line chooses a mode: a file's tests share module-scoped
+    launches, which `--dist load` would start once per worker. Set here rather than in
+    pyproject's addopts so that pytest without pytest-xdist (the XLA lane, a bare venv)
+    still accepts the project's options."""
+    if getattr(config.option, "dist", "no") != "load":
+        return
+    given = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    if not any(str(arg).startswith("--dist") or arg == "-d" for arg in given):
+        config.option.dist = "loadfile"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build DeepSpeed's CPU communication op in the background while the first tests run,
     when the chosen tests use DeepSpeed and the build is not cached: the first DeepSpeed test

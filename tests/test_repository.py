@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -44,3 +46,26 @@ def test_every_source_package_is_listed_for_the_wheel():
         for p in (REPO / "integrations").rglob("__init__.py")
     }
     assert found <= listed, f"add to pyproject.toml packages: {sorted(found - listed)}"
+
+
+def test_the_project_options_need_no_optional_pytest_plugin():
+    """The XLA lane's venv has no pytest-xdist: pyproject's addopts must parse without it."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:xdist",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+            "-q",
+            "tests/test_repository.py",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
