@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -16,14 +17,16 @@ from slipstream.runtime.state import set_current_state
 from tests.distributed import s3_server
 
 # DeepSpeed JIT-compiles a small communication op on CPU the first time (about a minute);
-# keep the build between test runs and between clones (torch rebuilds it when its sources or
-# flags change).
+# keep the build between test runs, one folder per Python environment: the build's include
+# paths name the environment, so two clones' venvs sharing a folder would each rebuild it in
+# turn, and a test killed mid-build leaves a lock the other clone's tests wait on.
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR",
     str(
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         / "slipstream"
         / "torch_extensions"
+        / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
     ),
 )
 _deepspeed_build: subprocess.Popen[bytes] | None = None
