@@ -133,9 +133,9 @@ def _check_job(
         assert not _alive(int(pid_file.read_text())), f"{pid_file.stem} still runs"
 
 
-def _check_epochs(logs: dict[str, list[dict[str, Any]]]) -> None:
+def _check_epochs(logs: dict[str, list[dict[str, Any]]], *, finishes_one: bool = True) -> None:
     """Epoch accounting: within an epoch, committed batches never share a sample, and a
-    finished epoch saw every sample exactly once."""
+    finished epoch saw every sample exactly once (``finishes_one``: the job got past one)."""
     by_epoch: dict[int, list[int]] = {}
     seen_steps: set[tuple[int, int, int]] = set()
     for rows in logs.values():
@@ -144,7 +144,7 @@ def _check_epochs(logs: dict[str, list[dict[str, Any]]]) -> None:
                 seen_steps.add((r["step"], r["rank"], r["epoch"]))
                 by_epoch.setdefault(r["epoch"], []).extend(r["indices"])
     last = max(by_epoch)
-    assert last > 0, "the job did not finish an epoch"
+    assert last > 0 or not finishes_one, "the job did not finish an epoch"
     for epoch, samples in by_epoch.items():
         assert len(samples) == len(set(samples)), f"epoch {epoch} repeated a sample"
         if epoch < last:
@@ -389,6 +389,9 @@ def test_losing_every_group_falls_back_to_the_checkpoint(tmp_path: Path) -> None
     for rows in logs.values():
         if rows and "final" in rows[-1]:
             assert rows[-1]["final"] == pytest.approx(reference, abs=1e-5)
-    _check_epochs(kept)
+    # Both groups back from step 4 get through the first epoch (96 samples, 8 a step); a
+    # group that restarts late (the machine busy) leaves the other alone at 4 a step, short
+    # of it by the last step.
+    _check_epochs(kept, finishes_one=starts == [4, 4])
     for pid_file in tmp_path.glob("*.pid"):
         assert not _alive(int(pid_file.read_text())), f"{pid_file.stem} still runs"
