@@ -16,6 +16,9 @@ import torch
 from slipstream.runtime.state import set_current_state
 from tests.distributed import s3_server
 
+# The order pytest-xdist workers take the files in (longest first) and --record-file-seconds.
+pytest_plugins = ["tests.scheduling"]
+
 # DeepSpeed JIT-compiles a small communication op on CPU the first time (about a minute);
 # keep the build between test runs, one folder per Python environment: the build's include
 # paths name the environment, so two clones' venvs sharing a folder would each rebuild it in
@@ -43,6 +46,8 @@ def pytest_configure(config: pytest.Config) -> None:
     given = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
     if not any(str(arg).startswith("--dist") or arg == "-d" for arg in given):
         config.option.dist = "loadfile"
+        # In tests/scheduling.py's order (longest file first), not by number of tests.
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
