@@ -10,9 +10,8 @@ output, default signal handlers, its own thread count,
 fresh torch and NumPy randomness, ``sys.path[0]`` the working directory, multiprocessing's
 main process.
 
-It is the default for CPU jobs (``worker_start: auto``) without per-step fault tolerance.
-GPU jobs and fault-tolerant ones start fresh interpreters
-as torchrun does (a process that has touched CUDA cannot be forked safely, and a GPU job's
+It is the default for CPU jobs (``worker_start: auto``), fault-tolerant ones included. GPU
+jobs start fresh interpreters as torchrun does (a process that has touched CUDA cannot be forked safely, and a GPU job's
 start-up is dominated by CUDA's own), and so does ``worker_start: exec``.
 
 Example::
@@ -51,11 +50,6 @@ def fork_wanted(config: LaunchConfig, no_python: bool = False) -> bool:
         return False
     if config.worker_start == "fork":
         return True
-    if config.fault_tolerance_config:
-        # A forked group restarts in a fraction of a second, before a group lost at the same
-        # time has died: it then recovers from that one rather than from the checkpoint,
-        # which the recovery tests' timelines do not model yet. Fresh interpreters for now.
-        return False
     return config.use_cpu or visible_gpu_ids() == ""
 
 

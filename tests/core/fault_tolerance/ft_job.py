@@ -49,6 +49,17 @@ def weights(model: nn.Module) -> list[float]:
     return values
 
 
+def start_together(out: Path, pid_files: str, groups: int, life: int) -> None:
+    """In the first life, wait (up to a minute) until every replica group's process has
+    written its pid file (``pid_files``: a glob in ``out``) before the first step, so the
+    first quorum holds every group, as the tests' reference timelines assume. Workers forked
+    from the launcher start within a fraction of a second of their agent, and a group that
+    starts first would otherwise train its first steps alone before the others join."""
+    deadline = time.monotonic() + 60.0
+    while life == 0 and len(list(out.glob(pid_files))) < groups and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -109,6 +120,9 @@ def main() -> None:
     if all(path.exists() for path in commands):
         shown = [path.read_bytes().replace(b"\0", b" ").decode() for path in commands]
         (out / f"{name}.ps").write_text("\n".join(shown))
+    start_together(
+        out, f"replica*-rank{accelerator.process_index}-life0.pid", ft.replica_groups, life
+    )
 
     def die(grad: torch.Tensor) -> torch.Tensor:
         time.sleep(0.5)

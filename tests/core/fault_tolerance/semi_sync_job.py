@@ -80,6 +80,8 @@ def main() -> None:
 
 
 def train(args: argparse.Namespace, out: Path) -> None:
+    from ft_job import start_together  # (this script's folder is first on sys.path)
+
     from slipstream import (
         Accelerator,
         DataLoaderConfiguration,
@@ -116,6 +118,7 @@ def train(args: argparse.Namespace, out: Path) -> None:
         accelerator.load_state(str(checkpoint))
     log = (out / f"{name}.jsonl").open("a", buffering=1)
     (out / f"{name}.pid").write_text(str(os.getpid()))
+    start_together(out, "replica*-life0.pid", ft.replica_groups, life)
     dies = life == 0 and replica == 1 and args.die_at >= 0
     full = ft.replica_groups
     missing = done = False

@@ -96,8 +96,8 @@ def test_cpu_jobs_fork_and_gpu_jobs_exec_unless_told():
         assert not fork_wanted(LaunchConfig(use_cpu=True, worker_start="exec"))
         assert not fork_wanted(LaunchConfig(use_cpu=True), no_python=True)
         tolerant = LaunchConfig(use_cpu=True, fault_tolerance_config={"replica_groups": 2})
-        assert not fork_wanted(tolerant)  # its recovery timelines: fresh interpreters
-        assert fork_wanted(dataclasses.replace(tolerant, worker_start="fork"))
+        assert fork_wanted(tolerant)  # a restarted replica group is forked too
+        assert not fork_wanted(dataclasses.replace(tolerant, worker_start="exec"))
     with patch_environment(cuda_visible_devices=""):
         assert fork_wanted(LaunchConfig(use_cpu=False))  # no GPU visible: a CPU job
 
