@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.warm_commands import CommandServer
 from tests.warm_workers import WarmPool
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,6 +128,9 @@ PROCESS_START_PREFIXES = (
     "FSSPEC_",
     "GLOO_",
     "NCCL_",
+    "KMP_",
+    "MALLOC_",
+    "GLIBC_",
 )
 #: Set to 1 to give every call brand-new interpreters (to tell a warm-worker problem apart).
 FRESH_VARIABLE = "SLIPSTREAM_TEST_FRESH"
@@ -269,23 +273,118 @@ def run_cli(
     return run_python("-m", "slipstream.cli", *arguments, timeout=timeout, env=env, cwd=cwd)
 
 
-def run_python(
+def run_cli_here(
     *arguments: str,
-    timeout: float = DEFAULT_TIMEOUT,
+    input: str | None = None,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run this interpreter with ``arguments``; a hang fails after ``timeout`` seconds.
+    """:func:`run_cli` in this process: ``slipstream.cli.main(arguments)`` with ``input`` as
+    its standard input and its output captured, in the environment a ``run_cli`` process
+    would see (no ``SLIPSTREAM_*``, no rank variables, no GPU, plus ``env``) and ``cwd``.
 
-    Like :func:`run_distributed`'s processes (and the launchers and workers they start),
-    it sees no GPU unless ``env`` sets ``CUDA_VISIBLE_DEVICES``."""
+    For commands that neither start processes nor change the process's own state (config,
+    env, migrate, estimate-memory, argument errors): a fresh interpreter costs two seconds
+    of CPU importing torch, more than such a command's own work. At least one test per
+    command still runs it through :func:`run_cli`, as the console script does."""
+    import io
+    from unittest import mock
+
+    from slipstream.cli import main
+
+    variables = command_environment(env)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    before = Path.cwd()
+    with (
+        mock.patch.dict(os.environ, variables, clear=True),
+        mock.patch.object(sys, "stdin", io.StringIO(input or "")),
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
+        os.chdir(cwd or REPO)
+        try:
+            code = main(list(arguments))
+        except SystemExit as exit:  # argparse's errors and --help; a message goes to stderr
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+            if exit.code is not None and not isinstance(exit.code, int):
+                print(exit.code, file=sys.stderr)
+        finally:
+            os.chdir(before)
+    command = [sys.executable, "-m", "slipstream.cli", *arguments]
+    return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
+
+
+def command_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a command a test runs: this one's without ``SLIPSTREAM_*`` or
+    rank variables, no GPU unless ``env`` names one, plus ``env``."""
     variables = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         variables.pop(key, None)
     variables.update(device_environment(env))
     variables.update(env or {})
+    return variables
+
+
+_command_server: CommandServer | None = None
+
+
+def _command_start_variables(variables: dict[str, str]) -> dict[str, str]:
+    fixed = _process_start_variables(variables)
+    fixed.pop("OMP_NUM_THREADS", None)  # a forked command sets its own thread count
+    return fixed
+
+
+def _warm_command_server(variables: dict[str, str]) -> CommandServer | None:
+    """The warm command server (tests/warm_commands.py), or None where the command must
+    start fresh: ``SLIPSTREAM_TEST_FRESH=1``, or its environment changes what a process reads
+    at start-up from what the server started with."""
+    global _command_server
+    if os.environ.get(FRESH_VARIABLE) == "1":
+        return None
+    base = command_environment()
+    server = _command_server
+    if server is not None and (
+        not server.alive() or server.started_with != _command_start_variables(base)
+    ):
+        server.close()  # a session fixture changed this process's environment: a new one
+        server = None
+    if server is None:
+        server = _command_server = CommandServer(base, REPO)
+        server.started_with = _command_start_variables(base)
+    if _command_start_variables(variables) != server.started_with:
+        return None
+    return server
+
+
+@atexit.register
+def _close_command_server() -> None:
+    if _command_server is not None:
+        _command_server.close()
+
+
+def run_python(
+    *arguments: str,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    fresh: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run this interpreter with ``arguments``; a hang fails after ``timeout`` seconds.
+
+    Like :func:`run_distributed`'s processes (and the launchers and workers they start),
+    it sees no GPU unless ``env`` sets ``CUDA_VISIBLE_DEVICES``. The command runs in a fork
+    of a warm server made to look like a fresh interpreter (tests/warm_commands.py) where it
+    can; ``fresh=True`` starts a new interpreter (for what a fork cannot show: start-up
+    cost, what is imported, peak memory)."""
+    variables = command_environment(env)
+    server = None if fresh else _warm_command_server(variables)
+    if server is not None:
+        done = server.run(arguments, variables, cwd or REPO, timeout)
+        if done is not None:
+            return done
     return subprocess.run(
         [sys.executable, *arguments],
+        stdin=subprocess.DEVNULL,  # as a warm command's: a test never types into one
         capture_output=True,
         text=True,
         timeout=timeout,

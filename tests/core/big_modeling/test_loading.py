@@ -162,7 +162,7 @@ def test_peak_memory_is_what_stays_loaded_plus_one_tensor(tmp_path):
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # freed tensors leave the heap at once
     peaks = {}
     for mode in ("all", "two-layers"):
-        done = run_python("-c", _PEAK, str(tmp_path / "ckpt"), mode, env=env)
+        done = run_python("-c", _PEAK, str(tmp_path / "ckpt"), mode, env=env, fresh=True)
         assert done.returncode == 0, done.stderr
         peaks[mode] = int(done.stdout.split()[-1])
     layer = 1024 * 1025 * 4

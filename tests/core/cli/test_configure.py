@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,23 +9,19 @@ import yaml
 
 from slipstream.launcher.config import load_config, save_config
 from slipstream.utils import write_basic_config
-from tests.distributed import REPO, run_cli
+from tests.distributed import run_cli, run_cli_here
 
 FIXTURES = Path(__file__).parent / "accelerate_configs"
 
 
 def answer(config_file: Path, lines: list[str], extra_env: dict | None = None):
     env = {"SLIPSTREAM_CONFIG_FILE": str(config_file.parent / "unused.yaml")}
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", "slipstream.cli", "config", "--config_file", str(config_file)],
+    return run_cli_here(
+        "config",
+        "--config_file",
+        str(config_file),
         input="\n".join(lines) + "\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env={**os.environ, **env, **(extra_env or {})},
+        env={**env, **(extra_env or {})},
     )
 
 
@@ -173,7 +167,7 @@ def test_questionnaire_for_a_parallel_layout_asks_until_the_sizes_fit(tmp_path):
         "parallelism_config_sequence_parallel": True,
     }
     assert (config.distributed_type, config.num_processes) == ("FSDP", 8)
-    valid = run_cli("config", "validate", str(target))
+    valid = run_cli_here("config", "validate", str(target))
     assert valid.returncode == 0, valid.stderr
     assert "parallel layout dp_replicate=2 x dp_shard=2 x tp=2" in valid.stdout
 
@@ -268,7 +262,7 @@ def test_piped_answers_read_like_a_terminal_session(tmp_path):
 
 
 def test_config_flags_that_name_an_action_point_to_it():
-    result = run_cli("config", "--default")
+    result = run_cli_here("config", "--default")
     assert result.returncode == 2
     assert "unrecognized arguments: --default (did you mean 'slipstream config default'?)" in (
         result.stderr
@@ -277,13 +271,15 @@ def test_config_flags_that_name_an_action_point_to_it():
 
 def test_config_default_and_validate(tmp_path):
     target = tmp_path / "default.yaml"
-    result = run_cli("config", "default", "--mixed_precision", "fp16", "--config_file", str(target))
+    result = run_cli_here(
+        "config", "default", "--mixed_precision", "fp16", "--config_file", str(target)
+    )
     assert result.returncode == 0 and target.exists(), result.stderr
     config, _ = load_config(target)
     assert config.mixed_precision == "fp16" and config.num_processes == 1
-    again = run_cli("config", "default", "--config_file", str(target))
+    again = run_cli_here("config", "default", "--config_file", str(target))
     assert again.returncode == 2 and "already exists" in again.stderr
-    valid = run_cli("config", "validate", str(target))
+    valid = run_cli_here("config", "validate", str(target))
     assert valid.returncode == 0 and "is a valid configuration" in valid.stdout
     assert write_basic_config(save_location=target) is False
     assert write_basic_config("bf16", tmp_path / "other.yaml") == tmp_path / "other.yaml"
@@ -302,7 +298,7 @@ def test_real_accelerate_config_files_work_as_is(tmp_path, fixture):
     assert config.parallelism_config == (raw.get("parallelism_config") or {})
     round_trip = save_config(config, tmp_path / "copy.yaml")
     assert load_config(round_trip)[0] == config
-    result = run_cli("config", "validate", str(path))
+    result = run_cli_here("config", "validate", str(path))
     assert result.returncode == 0, result.stderr
 
 
@@ -349,7 +345,7 @@ def test_real_accelerate_config_files_work_as_is(tmp_path, fixture):
 def test_bad_config_files_give_one_clear_message(tmp_path, content, message):
     bad = tmp_path / "bad.yaml"
     bad.write_text(content)
-    result = run_cli("config", "validate", str(bad))
+    result = run_cli_here("config", "validate", str(bad))
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -362,16 +358,16 @@ def test_env_shows_the_parallel_layout(tmp_path):
         "num_processes: 4\nparallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
         "  parallelism_config_tp_size: 2\n"
     )
-    result = run_cli("env", "--config_file", str(config))
+    result = run_cli_here("env", "--config_file", str(config))
     assert result.returncode == 0, result.stderr
     assert "parallelism_config_tp_size: 2" in result.stdout
     assert "- parallel layout: dp_shard=2 x tp=2" in result.stdout
     config.write_text("num_processes: 2\nparallelism_config: {parallelism_config_tp_size: 4}\n")
-    result = run_cli("env", "--config_file", str(config))
+    result = run_cli_here("env", "--config_file", str(config))
     assert result.returncode == 0, "a bug report is written even for a broken config"
     assert "- config problem: " in result.stdout and "does not fit num_processes=2" in result.stdout
     config.write_text("num_processes: 4\nparallelism_config: {parallelism_config_ep_size: 2}\n")
-    result = run_cli("env", "--config_file", str(config))
+    result = run_cli_here("env", "--config_file", str(config))
     assert "- parallel layout: dp_shard=4 (experts over ep=2)" in result.stdout
     assert (
         "- expert parallelism: experts split over ep=2 of the 4 processes that shard the model, "
@@ -407,7 +403,7 @@ def test_slipstream_test_runs_the_checks_under_a_config(tmp_path):
 
 
 def test_launch_help_groups_every_config_key():
-    result = run_cli("launch", "--help")
+    result = run_cli_here("launch", "--help")
     for title in (
         "processes and machines",
         "training",

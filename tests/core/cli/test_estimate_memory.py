@@ -27,7 +27,7 @@ from slipstream.cli.estimate_memory import (
 )
 from slipstream.cli.estimate_memory_parallel import ParallelLayout, ProcessShare
 from slipstream.launcher.config import ConfigError
-from tests.distributed import run_cli
+from tests.distributed import run_cli, run_cli_here
 
 FACTORIES = "tests.core.cli.model_factories"
 SMALL = f"{FACTORIES}:make_small"
@@ -512,14 +512,14 @@ def test_cli_prints_the_table():
 
 @needs_registration
 def test_cli_errors_exit_2_with_one_line():
-    result = run_cli("estimate-memory", "no_colon_here")
+    result = run_cli_here("estimate-memory", "no_colon_here")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "module:callable" in result.stderr
 
 
 @needs_registration
 def test_cli_parallel_size_errors_exit_2_with_one_line():
-    result = run_cli("estimate-memory", SMALL, "--num-processes", "8", "--pp-size", "3")
+    result = run_cli_here("estimate-memory", SMALL, "--num-processes", "8", "--pp-size", "3")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "--pp_size 3 does not divide --num_processes 8" in result.stderr
@@ -591,7 +591,7 @@ FSDP_ON_4 = (
 def test_the_job_comes_from_a_config_file(tmp_path):
     config = tmp_path / "fsdp.yaml"
     config.write_text(FSDP_ON_4)
-    result = run_cli("estimate-memory", SMALL, "--config_file", str(config))
+    result = run_cli_here("estimate-memory", SMALL, "--config_file", str(config))
     assert result.returncode == 0, result.stderr
     first = result.stdout.splitlines()[0]
     assert first == (

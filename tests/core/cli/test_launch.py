@@ -14,7 +14,7 @@ import yaml
 from slipstream.cli import build_parser
 from slipstream.cli.launch import resolve_config
 from slipstream.launcher.config import ConfigError
-from tests.distributed import REPO, run_cli
+from tests.distributed import REPO, run_cli, run_cli_here
 
 FLAGS = (
     "dp_replicate_size",
@@ -51,7 +51,7 @@ def parse(*arguments: str) -> argparse.Namespace:
 
 
 def test_help_has_a_group_with_every_parallelism_flag():
-    result = run_cli("launch", "--help")
+    result = run_cli_here("launch", "--help")
     assert result.returncode == 0, result.stderr
     group = result.stdout.split("N-D parallelism", 1)[1].split("what to run:", 1)[0]
     for flag in FLAGS:
@@ -219,7 +219,7 @@ def test_a_bad_layout_exits_2_with_one_line_and_spawns_nothing(
     )
     paths["deepspeed"].write_text("distributed_type: DEEPSPEED\nnum_processes: 2\n")
     before = sorted(p.name for p in tmp_path.iterdir())
-    result = run_cli("launch", "--cpu", *[a.format(**paths) for a in arguments], str(script))
+    result = run_cli_here("launch", "--cpu", *[a.format(**paths) for a in arguments], str(script))
     assert result.returncode == 2, result.stderr
     assert message.format(**paths) in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -12,7 +12,7 @@ import pytest
 
 from slipstream.cli import migrate
 from slipstream.cli.migrate import rewrite_python, rewrite_script
-from tests.distributed import run_cli, run_python
+from tests.distributed import run_cli, run_cli_here, run_python
 
 pytest.importorskip("libcst")
 
@@ -227,7 +227,7 @@ def _project(folder: Path) -> Path:
 
 def test_check_changes_nothing_and_fails_when_something_would_change(tmp_path: Path):
     project = _project(tmp_path / "p")
-    result = run_cli("migrate", str(project), "--check", "--diff")
+    result = run_cli_here("migrate", str(project), "--check", "--diff")
     assert result.returncode == 1, result.stderr
     assert (
         "would rewrite" in result.stdout and "+from slipstream import Accelerator" in result.stdout
@@ -241,13 +241,13 @@ def test_check_changes_nothing_and_fails_when_something_would_change(tmp_path: P
 
 def test_migrating_writes_the_files_then_check_passes(tmp_path: Path):
     project = _project(tmp_path / "p")
-    result = run_cli("migrate", str(project))
+    result = run_cli_here("migrate", str(project))
     assert result.returncode == 0, result.stderr
     assert (project / "src" / "train.py").read_text() == EXPECTED
     assert (project / "Makefile").read_text() == "train:\n\tslipstream launch src/train.py\n"
     assert (project / "README.txt").read_text().startswith("accelerate launch")
     assert (project / ".venv" / "lib.py").read_text() == "import accelerate\n", "skipped"
-    again = run_cli("migrate", str(project), "--check")
+    again = run_cli_here("migrate", str(project), "--check")
     assert again.returncode == 0 and "0 file(s) would change" in again.stdout
 
 
@@ -258,7 +258,7 @@ def test_a_missing_path_is_a_clear_error(tmp_path: Path):
 
 def test_diff_prints_the_changes_and_writes_nothing(tmp_path: Path):
     project = _project(tmp_path / "p")
-    result = run_cli("migrate", str(project), "--diff")
+    result = run_cli_here("migrate", str(project), "--diff")
     assert result.returncode == 0, result.stderr
     assert "-from accelerate import Accelerator" in result.stdout
     assert "+from slipstream import Accelerator" in result.stdout
@@ -292,7 +292,7 @@ def test_accelerates_test_scripts_import_cleanly_after_migrating(tmp_path: Path)
     scripts = _accelerate_scripts()
     for script in scripts:
         shutil.copy(script, tmp_path / script.name)
-    result = run_cli("migrate", str(tmp_path))
+    result = run_cli_here("migrate", str(tmp_path))
     assert result.returncode == 0, result.stderr
     statements = []
     for script in scripts:
@@ -360,7 +360,7 @@ def test_a_megatron_project_moves_its_plugin_and_keeps_its_config_block(tmp_path
     # The config block is read as Accelerate wrote it: migrate leaves it, launch runs it.
     config_file = tmp_path / "accelerate_cfg.yaml"
     config_file.write_text(MEGATRON_CONFIG)
-    result = run_cli("migrate", str(tmp_path), "--check")
+    result = run_cli_here("migrate", str(tmp_path), "--check")
     assert result.returncode == 0 and "0 file(s) would change" in result.stdout, result.stdout
     config, notes = load_config(config_file)
     assert config.parallel_layout() == "pp=2 x tp=2" and notes == []

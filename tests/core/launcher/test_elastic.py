@@ -23,7 +23,7 @@ from slipstream.launcher.config import ConfigError, LaunchConfig, config_from_di
 from slipstream.launcher.elastic import elastic_settings, parse_nnodes
 from slipstream.launcher.launch import LaunchRequest, torchrun_arguments
 from slipstream.optim.elastic import elastic_accumulation_steps, resumed_micro_steps
-from tests.distributed import REPO, device_environment, free_port, run_cli
+from tests.distributed import REPO, device_environment, free_port, run_cli_here
 
 #: Starts its own processes for every test: left out of `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -283,5 +283,5 @@ def test_layouts_and_batches_that_divide_at_every_size_are_accepted():
 def test_bad_nnodes_flags_name_what_to_change(tmp_path: Path, flags: list[str], message: str):
     script = tmp_path / "t.py"
     script.write_text("raise SystemExit('should not run')\n")
-    result = run_cli("launch", "--cpu", *flags, str(script), timeout=60)
+    result = run_cli_here("launch", "--cpu", *flags, str(script))
     assert result.returncode == 2 and message in result.stderr, result.stderr

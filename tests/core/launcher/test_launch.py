@@ -13,7 +13,7 @@ import pytest
 
 from slipstream.launcher.config import LaunchConfig
 from slipstream.launcher.launch import LaunchRequest, torchrun_arguments, torchrun_namespace
-from tests.distributed import REPO, free_port, run_cli, run_python
+from tests.distributed import REPO, free_port, run_cli, run_cli_here, run_python
 
 PROBE = textwrap.dedent(
     """
@@ -271,7 +271,7 @@ def test_launch_errors_are_one_clear_line(tmp_path: Path, arguments: list[str], 
     )
     paths = {name: tmp_path / f"{name}.yaml" for name in ("bad", "typo", "fsdp")}
     paths["script"] = script
-    result = run_cli("launch", *[a.format(**paths) for a in arguments])
+    result = run_cli_here("launch", *[a.format(**paths) for a in arguments])
     assert result.returncode == 2
     assert message in result.stderr
     assert "should not run" not in result.stdout

@@ -74,6 +74,6 @@ def test_importing_slipstream_imports_no_optional_dependency():
         "added = {m.split('.')[0] for m in sys.modules} - before\n"
         f"print(sorted(added & set({OPTIONAL!r})))\n"
     )
-    result = run_python("-c", code)
+    result = run_python("-c", code, fresh=True)  # (a warm command has slipstream imported)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[]", "[]"]

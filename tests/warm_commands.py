@@ -1,0 +1,266 @@
+"""Warm commands: ``python ARGS`` for the suite's commands without paying Python + torch
+start-up each time.
+
+A fresh interpreter spends about two seconds of CPU importing torch, and ``slipstream
+launch`` another two importing slipstream and torch's compiler for the workers it forks,
+before the command's own work starts; the suite runs a hundred such commands. A
+:class:`CommandServer` is one long-lived process per test process with those imported; each
+command is a fork of it, made to look like ``python ARGS`` started fresh before the command
+runs — as ``slipstream launch`` does for its own workers (core/launcher/forked.py):
+
+- the command's environment, working directory, ``sys.argv`` and ``sys.path[0]`` as
+  ``python script.py``, ``python -m module`` or ``python -c code`` set them, ``__main__``
+  its own, standard input empty, stdout and stderr to files of their own;
+- default signal handlers, fresh torch and NumPy random seeds, the thread count its
+  ``OMP_NUM_THREADS`` asks for;
+- at the end what an interpreter does at exit: wait for non-daemon threads, run the exit
+  handlers, flush; an uncaught exception prints its traceback and exits 1.
+
+Commands the server cannot stand in for run as fresh processes, as before: other
+interpreter options (``-u``, ``-X ...``), a call made while another is running, and (the
+caller's choice, tests/distributed.py) a command whose environment changes a variable read
+while the interpreter or torch starts (``PYTHON*``, the GPU choice, ...).
+
+Messages, one JSON object per line: test -> server ``{"argv", "env", "cwd", "stdout",
+"stderr"}``; server -> test ``{"pid"}`` when the command started, then ``{"code"}`` (its
+exit code, negative for a signal, as ``subprocess`` reports it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+#: What the server imports before its first command: what nearly every command imports
+#: (``slipstream.cli`` and ``slipstream.accelerator``) and what ``slipstream launch``
+#: preloads for its forked workers.
+PRELOAD = ("torch", "slipstream.cli", "slipstream.accelerator", "torch._dynamo")
+
+
+class CommandServer:
+    """One warm server; :meth:`run` runs a command in a fork of it (module docstring)."""
+
+    def __init__(self, env: dict[str, str], cwd: Path) -> None:
+        #: The variables read at start-up it began with (the caller's to compare a command's
+        #: against: a command that wants others needs a fresh process).
+        self.started_with: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._folder = Path(tempfile.mkdtemp(prefix="warm-commands-"))
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.warm_commands"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            text=True,
+        )
+        self.calls = 0
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def can_run(self, arguments: tuple[str, ...]) -> bool:
+        """Whether ``python ARGUMENTS`` is one it stands in for: a script, ``-m`` or ``-c``
+        (not other interpreter options), while it is alive and idle."""
+        first = arguments[0] if arguments else "-"
+        return self.alive() and (first in ("-m", "-c") or not first.startswith("-"))
+
+    def run(
+        self, arguments: tuple[str, ...], env: dict[str, str], cwd: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str] | None:
+        """The command's result as ``subprocess.run(capture_output=True, text=True)`` gives
+        it (raising ``subprocess.TimeoutExpired`` after ``timeout``), or None where it
+        must run as a fresh process."""
+        if not self.can_run(arguments) or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._run(arguments, env, cwd, timeout)
+        finally:
+            self._lock.release()
+
+    def _run(
+        self, arguments: tuple[str, ...], env: dict[str, str], cwd: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str] | None:
+        self.calls += 1
+        out, err = (self._folder / f"call{self.calls}.{name}" for name in ("out", "err"))
+        request = {"argv": list(arguments), "env": env, "cwd": str(cwd)}
+        assert self._process.stdin is not None and self._process.stdout is not None
+        try:
+            self._process.stdin.write(
+                json.dumps({**request, "stdout": str(out), "stderr": str(err)}) + "\n"
+            )
+            self._process.stdin.flush()
+            pid = json.loads(self._process.stdout.readline())["pid"]
+        except (OSError, ValueError, KeyError):
+            return None  # the server is gone: a fresh process instead
+        answer = _ReadLine(self._process.stdout)
+        line = answer.wait(timeout)
+        command = [sys.executable, *arguments]
+        if line is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if answer.wait(30) is None:  # the server itself hangs: no later call uses it
+                self._process.kill()
+            raise subprocess.TimeoutExpired(command, timeout, _take(out), _take(err))
+        code = json.loads(line)["code"]
+        return subprocess.CompletedProcess(command, code, _take(out), _take(err))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+class _ReadLine:
+    """The next line of ``stream``, waited for with a timeout (a thread reads it)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._line: str | None = None
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        self._line = stream.readline()
+
+    def wait(self, timeout: float) -> str | None:
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self._line
+
+
+def _take(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    path.unlink()
+    return text
+
+
+# -- the server ---------------------------------------------------------------------------
+def _serve() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    requests, answers = sys.stdin, sys.stdout
+    for line in requests:
+        request = json.loads(line)
+        answers.flush()
+        pid = os.fork()
+        if pid == 0:
+            _command(request)  # never returns
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        answers.flush()
+        _, status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+        answers.flush()
+
+
+def _command(request: dict[str, Any]) -> None:
+    """The forked child: become ``python ARGV`` (module docstring), run it, exit."""
+    code = 1
+    try:
+        _look_fresh(request)
+        code = _run_main(request["argv"])
+    except BaseException:  # the set-up itself failed: say so as a crash would
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _look_fresh(request: dict[str, Any]) -> None:
+    with open(os.devnull, "rb") as nothing:
+        os.dup2(nothing.fileno(), 0)
+    for fd, key in ((1, "stdout"), (2, "stderr")):
+        with open(request[key], "wb") as stream:
+            os.dup2(stream.fileno(), fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    # What the server's imports noted of its own start: where it started (multiprocessing
+    # resolves a relative __main__ path for spawned children from it) and its temp folder.
+    import multiprocessing.process
+
+    multiprocessing.process.ORIGINAL_DIR = os.getcwd()  # type: ignore[attr-defined]
+    tempfile.tempdir = None
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _run_main(argv: list[str]) -> int:
+    """Run ``python ARGV``'s main module; its exit code, as the interpreter would exit."""
+    import runpy
+    import types
+
+    code: int = 0
+    sys.modules["__main__"] = types.ModuleType("__main__")  # not the server's own
+    try:
+        if argv[0] == "-m":
+            sys.argv = ["-m", *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy._run_module_as_main(argv[1])  # type: ignore[attr-defined]
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""
+            exec(compile(argv[1], "<string>", "exec"), sys.modules["__main__"].__dict__)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    # What an interpreter does at exit: non-daemon threads first, then the exit handlers.
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    try:
+        atexit._run_exitfuncs()
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    return code
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)  # sys.exit("message")
+    return 1
+
+
+if __name__ == "__main__":
+    _serve()
