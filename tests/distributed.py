@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.warm_commands import CommandServer
+from tests.warm_commands import CommandServer, RunningCommand
 from tests.warm_workers import WarmPool
 
 REPO = Path(__file__).resolve().parent.parent
@@ -450,23 +450,26 @@ def run_fault_tolerant_job(
         "--fault_tolerance", "--ft_replica_groups", str(groups), "--ft_heartbeat_timeout", "2",
         "--max_restarts", "1", *launch_args, str(script), str(out), *script_args,
     ]  # fmt: skip
-    env = {**os.environ, **device_environment(), "OMP_NUM_THREADS": "1"}
-    with subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    ) as job:  # fmt: skip
-        deadline = time.monotonic() + timeout
-        try:
-            while kill_when is not None and job.poll() is None and time.monotonic() < deadline:
-                if kill_when.exists() and kill_when.read_text():
-                    os.kill(int(kill_when.read_text()), signals.SIGKILL)
-                    break
-                time.sleep(0.05)
-            output, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signals.SIGKILL)
-            output, _ = job.communicate()
-            raise AssertionError(
-                f"fault-tolerant job timed out after {timeout} s:\n{output}"
-            ) from None
+    variables = command_environment({"OMP_NUM_THREADS": "1"})
+    server = _warm_command_server(variables)
+    job: subprocess.Popen[str] | RunningCommand | None = None
+    if server is not None:  # the launcher forked from the warm command server
+        job = server.start(tuple(command[1:]), variables, REPO, merge_output=True, new_session=True)
+    if job is None:
+        job = subprocess.Popen(
+            command, cwd=REPO, env=variables, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        while kill_when is not None and job.poll() is None and time.monotonic() < deadline:
+            if kill_when.exists() and kill_when.read_text():
+                os.kill(int(kill_when.read_text()), signals.SIGKILL)
+                break
+            time.sleep(0.05)
+        output, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signals.SIGKILL)
+        output, _ = job.communicate()
+        raise AssertionError(f"fault-tolerant job timed out after {timeout} s:\n{output}") from None
     return subprocess.CompletedProcess(command, job.returncode, output, "")

@@ -3,9 +3,11 @@ command started fresh — each probe runs both ways and must print the same."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,37 @@ def test_a_command_past_its_timeout_is_killed_and_the_next_runs(tmp_path: Path):
     after = run_python("-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
     assert after.returncode == -15, "killed by a signal: negative, as subprocess says"
     assert run_python("-c", "print('next')").stdout == "next\n"
+
+
+def test_a_started_command_merges_its_output_and_dies_with_its_session(tmp_path: Path):
+    """What run_fault_tolerant_job needs of a started launcher: stderr after stdout in one
+    stream, and a session whose every process one killpg ends."""
+    from tests.distributed import REPO, _warm_command_server, command_environment
+
+    variables = command_environment()
+    server = _warm_command_server(variables)
+    assert server is not None
+    code = (
+        "import subprocess, sys, time\n"
+        "print('out', flush=True); print('err', file=sys.stderr, flush=True)\n"
+        f"child = subprocess.Popen(['sleep', '60']); open({str(tmp_path / 'pid')!r}, 'w')"
+        ".write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    job = server.start(("-c", code), variables, REPO, merge_output=True, new_session=True)
+    assert job is not None
+    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+        assert job.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        job.communicate(timeout=0.5)
+    job.kill()
+    assert job.communicate() == ("out\nerr\n", "") and job.returncode == -9
+    grandchild = Path(f"/proc/{(tmp_path / 'pid').read_text()}/stat")
+    deadline = time.monotonic() + 10
+    while grandchild.exists() and time.monotonic() < deadline:  # killed, then reaped by init
+        with contextlib.suppress(OSError):
+            if grandchild.read_text().split()[2] in ("Z", "X"):
+                break
+        time.sleep(0.05)
+    else:
+        assert not grandchild.exists(), "the session's other process outlived the kill"

@@ -82,39 +82,50 @@ class CommandServer:
         """The command's result as ``subprocess.run(capture_output=True, text=True)`` gives
         it (raising ``subprocess.TimeoutExpired`` after ``timeout``), or None where it
         must run as a fresh process."""
-        if not self.can_run(arguments) or not self._lock.acquire(blocking=False):
+        running = self.start(arguments, env, cwd)
+        if running is None:
             return None
         try:
-            return self._run(arguments, env, cwd, timeout)
-        finally:
-            self._lock.release()
+            running.wait(timeout)
+        except subprocess.TimeoutExpired:
+            running.kill()
+            raise subprocess.TimeoutExpired(running.args, timeout, *running.output()) from None
+        return subprocess.CompletedProcess(running.args, running.wait(), *running.output())
 
-    def _run(
-        self, arguments: tuple[str, ...], env: dict[str, str], cwd: Path, timeout: float
-    ) -> subprocess.CompletedProcess[str] | None:
+    def start(
+        self,
+        arguments: tuple[str, ...],
+        env: dict[str, str],
+        cwd: Path,
+        *,
+        merge_output: bool = False,
+        new_session: bool = False,
+    ) -> RunningCommand | None:
+        """Start ``python ARGUMENTS`` (as ``subprocess.Popen`` would, with ``stderr=STDOUT``
+        for ``merge_output`` and ``start_new_session``); None where it must run as a fresh
+        process. The server runs one command at a time: the next waits for this one."""
+        if not self.can_run(arguments) or not self._lock.acquire(blocking=False):
+            return None
         self.calls += 1
         out, err = (self._folder / f"call{self.calls}.{name}" for name in ("out", "err"))
-        request = {"argv": list(arguments), "env": env, "cwd": str(cwd)}
+        request = {
+            "argv": list(arguments), "env": env, "cwd": str(cwd), "stdout": str(out),
+            "stderr": str(out if merge_output else err), "session": new_session,
+        }  # fmt: skip
         assert self._process.stdin is not None and self._process.stdout is not None
         try:
-            self._process.stdin.write(
-                json.dumps({**request, "stdout": str(out), "stderr": str(err)}) + "\n"
-            )
+            self._process.stdin.write(json.dumps(request) + "\n")
             self._process.stdin.flush()
             pid = json.loads(self._process.stdout.readline())["pid"]
         except (OSError, ValueError, KeyError):
+            self._lock.release()
             return None  # the server is gone: a fresh process instead
-        answer = _ReadLine(self._process.stdout)
-        line = answer.wait(timeout)
-        command = [sys.executable, *arguments]
-        if line is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            if answer.wait(30) is None:  # the server itself hangs: no later call uses it
-                self._process.kill()
-            raise subprocess.TimeoutExpired(command, timeout, _take(out), _take(err))
-        code = json.loads(line)["code"]
-        return subprocess.CompletedProcess(command, code, _take(out), _take(err))
+        return RunningCommand(self, [sys.executable, *arguments], pid, out, err)
+
+    def _finished(self, hung: bool) -> None:
+        if hung:  # the server did not answer after its command was killed: no later call uses it
+            self._process.kill()
+        self._lock.release()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -125,6 +136,56 @@ class CommandServer:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+
+
+class RunningCommand:
+    """A command the server started: ``pid``, ``poll()``, ``wait(timeout)``, ``kill()``,
+    ``output()`` (stdout and stderr, once it ended)."""
+
+    def __init__(self, server: CommandServer, args: list[str], pid: int, out: Path, err: Path):
+        self.args, self.pid = args, pid
+        self._server, self._out, self._err = server, out, err
+        assert server._process.stdout is not None
+        self._answer = _ReadLine(server._process.stdout)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._answer.wait(0) is not None:
+            self._end(self._answer.wait(0))
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self._answer.wait(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self._end(line)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the command (its whole session, if it has one) and wait for it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(self.pid) == self.pid:
+                os.killpg(self.pid, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        if self.returncode is None:
+            line = self._answer.wait(30)
+            self._end(line, hung=line is None)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """As ``Popen.communicate``: stdout and stderr once it ended (``TimeoutExpired``
+        if it has not within ``timeout``; call again after killing it)."""
+        self.wait(timeout)
+        return self.output()
+
+    def output(self) -> tuple[str, str]:
+        return _take(self._out), (_take(self._err) if self._err != self._out else "")
+
+    def _end(self, line: str | None, hung: bool = False) -> None:
+        self.returncode = json.loads(line)["code"] if line else -signal.SIGKILL
+        self._server._finished(hung)
 
 
 class _ReadLine:
@@ -190,11 +251,17 @@ def _command(request: dict[str, Any]) -> None:
 
 
 def _look_fresh(request: dict[str, Any]) -> None:
+    if request.get("session"):
+        os.setsid()
     with open(os.devnull, "rb") as nothing:
         os.dup2(nothing.fileno(), 0)
-    for fd, key in ((1, "stdout"), (2, "stderr")):
-        with open(request[key], "wb") as stream:
-            os.dup2(stream.fileno(), fd)
+    with open(request["stdout"], "wb") as stream:
+        os.dup2(stream.fileno(), 1)
+        if request["stderr"] == request["stdout"]:  # one file, one offset: stderr=STDOUT
+            os.dup2(stream.fileno(), 2)
+    if request["stderr"] != request["stdout"]:
+        with open(request["stderr"], "wb") as stream:
+            os.dup2(stream.fileno(), 2)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)

@@ -39,6 +39,9 @@ def launch_on_warm_workers(
     command: list[str], processes: int, env: dict[str, str]
 ) -> tuple[str, str]:
     """``workers._launch``'s contract: every rank's stdout, and stderr (a failing rank's
-    traceback fails the test instead)."""
+    traceback fails the test instead). The memory benchmarks' allocator setting
+    (``MALLOC_*``, read when a process starts) is left out: a smoke run asserts no figure, and
+    with it every rank would start a fresh interpreter."""
+    env = {key: value for key, value in env.items() if not key.startswith("MALLOC_")}
     outputs = run_distributed(run_script_rank, command, world_size=processes, env=env, timeout=300)
     return "".join(outputs), ""
