@@ -91,12 +91,9 @@ def source_tests(version: str) -> tuple[Path | None, str]:
 def migrate(folder: Path) -> str:
     """Rewrite the Python files under ``folder`` with ``slipstream migrate``, as a user
     would; returns its report."""
-    done = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli", "migrate", str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    from tests.distributed import run_cli_here
+
+    done = run_cli_here("migrate", str(folder))
     assert done.returncode in (0, 1), done.stderr
     return done.stdout
 

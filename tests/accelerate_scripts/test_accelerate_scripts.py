@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import pytest
 
 from slipstream.compatibility import CPU_ADAPTATIONS, SCRIPT_DIFFERENCES
 from tests.accelerate_peer import accelerate_package, migrate, print_report
-from tests.distributed import device_environment
+from tests.distributed import run_python
 
 from .driver import called_functions
 
@@ -122,14 +120,12 @@ def _run(script: str, migrated: dict[str, Any]) -> dict[str, list[dict[str, Any]
             str(DRIVER), str(target), str(reports), *(["--extras"] if "extras" in how else []),
         ]  # fmt: skip
     env = {
-        **os.environ,
-        **device_environment(),
         "ACCELERATE_NUM_PROCESSES": "2",  # test_notebook's process count
         "OMP_NUM_THREADS": "1",
     }
     if script in NEEDS_STAND_INS:
         env["PYTHONPATH"] = str(migrated["stand_ins"])
-    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    done = run_python(*command[1:], env=env, cwd=folder, timeout=600)
     by_function: dict[str, list[dict[str, Any]]] = {}
     ranks = sorted(reports.glob("rank*.jsonl"))
     for report in ranks:
