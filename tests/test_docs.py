@@ -14,6 +14,7 @@ import pytest
 from tests.distributed import REPO
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path: Path):
     pytest.importorskip("mkdocs")
     # `python -m mkdocs`, not the console script: the script's folder would come first on

@@ -141,6 +141,7 @@ def test_torchmetrics_logged_from_validation_step_are_exact(ddp):
 
 
 # -- FSDP and DeepSpeed --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fsdp_sharded_checkpoint_saves_and_restores(fsdp):
     assert fsdp["saved_is_dir"]
     assert {
@@ -178,6 +179,7 @@ def test_fsdp_full_state_dict_is_one_file(fsdp):
     assert fsdp["full_resumed"]["end"] == fsdp["straight"]["end"]
 
 
+@pytest.mark.slow
 def test_deepspeed_stage_3_saves_and_restores(deepspeed):
     assert {"checkpoint.json", "lightning_state.ckpt", "latest", "pytorch_model"} <= set(
         deepspeed["saved_files"]

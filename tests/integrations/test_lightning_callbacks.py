@@ -56,6 +56,7 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, An
     return out, _run("export", out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy", ["slipstream", "slipstream_fsdp", "slipstream_deepspeed_stage_3", "ddp"]
 )

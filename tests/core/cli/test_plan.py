@@ -112,6 +112,7 @@ def test_bad_inputs_are_one_line_errors(tiny, capsys, argv, message):
     assert "\n" not in err
 
 
+@pytest.mark.slow
 def test_a_layout_checked_on_four_processes_matches_and_calibrates(tmp_path, monkeypatch):
     """One real run (the code of --verify): FSDP over 4 CPU processes of a small Llama; the
     measured peak is within 25% of the prediction (a small model: the per-process overhead

@@ -391,6 +391,7 @@ def test_hybrid_sharding_matches_one_process_and_resumes_bitwise(tmp_path):
 # -- a tiny transformers Llama with its own plan ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_llama_with_its_own_plan_and_tied_embeddings(tmp_path):
     export, folder = str(tmp_path / "export"), str(tmp_path / "ckpt")
     trained = {"export": export, "save_at": 2, "folder": folder, "options": SPLIT}
