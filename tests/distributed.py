@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.warm_commands import CommandServer, RunningCommand
+from tests.warm_commands import CommandServer, RunningCommand, exit_code
 from tests.warm_workers import WarmPool
 
 REPO = Path(__file__).resolve().parent.parent
@@ -304,10 +304,8 @@ def run_cli_here(
         os.chdir(cwd or REPO)
         try:
             code = main(list(arguments))
-        except SystemExit as exit:  # argparse's errors and --help; a message goes to stderr
-            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-            if exit.code is not None and not isinstance(exit.code, int):
-                print(exit.code, file=sys.stderr)
+        except SystemExit as stop:  # argparse's errors and --help
+            code = exit_code(stop.code)
         finally:
             os.chdir(before)
     command = [sys.executable, "-m", "slipstream.cli", *arguments]
@@ -349,8 +347,7 @@ def _warm_command_server(variables: dict[str, str]) -> CommandServer | None:
         server.close()  # a session fixture changed this process's environment: a new one
         server = None
     if server is None:
-        server = _command_server = CommandServer(base, REPO)
-        server.started_with = _command_start_variables(base)
+        server = _command_server = CommandServer(base, REPO, _command_start_variables(base))
     if _command_start_variables(variables) != server.started_with:
         return None
     return server

@@ -50,10 +50,10 @@ PRELOAD = ("torch", "slipstream.cli", "slipstream.accelerator", "torch._dynamo")
 class CommandServer:
     """One warm server; :meth:`run` runs a command in a fork of it (module docstring)."""
 
-    def __init__(self, env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, env: dict[str, str], cwd: Path, started_with: dict[str, str]) -> None:
         #: The variables read at start-up it began with (the caller's to compare a command's
         #: against: a command that wants others needs a fresh process).
-        self.started_with: dict[str, str] = {}
+        self.started_with = started_with
         self._lock = threading.Lock()
         self._folder = Path(tempfile.mkdtemp(prefix="warm-commands-"))
         self._process = subprocess.Popen(
@@ -306,7 +306,7 @@ def _run_main(argv: list[str]) -> int:
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
-        code = _exit_code(stop.code)
+        code = exit_code(stop.code)
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -316,11 +316,12 @@ def _run_main(argv: list[str]) -> int:
     try:
         atexit._run_exitfuncs()
     except SystemExit as stop:
-        code = _exit_code(stop.code)
+        code = exit_code(stop.code)
     return code
 
 
-def _exit_code(value: object) -> int:
+def exit_code(value: object) -> int:
+    """The exit code of ``SystemExit(value)``, printing a message to stderr as Python does."""
     if value is None:
         return 0
     if isinstance(value, int):
