@@ -10,8 +10,9 @@ the median of the per-repetition ratios.
     python benchmarks/startup.py --processes 2 8 32   # launch at scale (no import rows)
     python benchmarks/startup.py --quick              # one repetition (smoke test)
 
-With ``--quick`` each row runs once, and one ``import torch`` timing serves all three
-import rows (two fewer interpreters started).
+With ``--quick`` each row runs once, one ``import torch`` timing serves all three import
+rows (two fewer interpreters started), and the launches start one process each (every code
+path, four fewer interpreters than at 2).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def main() -> None:
     for label, ours in rows.items():
         a, b, ratio = _compare(functools.partial(_seconds, ours), torch_alone, repeats)
         print(f"{label:52s} {a:6.3f}s vs {b:6.3f}s  ratio {ratio:.3f}x")
-    launch_at_scale([2], repeats)
+    launch_at_scale([1] if args.quick else [2], repeats)
 
 
 if __name__ == "__main__":

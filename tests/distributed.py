@@ -131,6 +131,8 @@ PROCESS_START_PREFIXES = (
     "KMP_",
     "MALLOC_",
     "GLIBC_",
+    "HF_",
+    "TRANSFORMERS_",
 )
 #: Set to 1 to give every call brand-new interpreters (to tell a warm-worker problem apart).
 FRESH_VARIABLE = "SLIPSTREAM_TEST_FRESH"

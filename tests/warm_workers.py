@@ -1,7 +1,8 @@
 """Warm workers: multi-process tests without paying Python + torch start-up each time.
 
 A :class:`WarmPool` keeps one long-lived *warm worker* per rank, started once per test
-session with torch and slipstream imported. Each call forks every rank's warm worker: the
+session with torch and slipstream imported (each a fork of one multiprocessing fork server
+per test process, which imported them once). Each call forks every rank's warm worker: the
 forked child runs the test's body in a fresh process (fresh globals, environment, signal
 handlers, process group) that already holds everything its parent imported, then reports
 its result and exits. A child that fails, hangs or dies takes nothing with it: the warm
@@ -175,18 +176,37 @@ class WorkerFailed(AssertionError):
     """A rank of a pooled call failed, died or timed out (the message says which)."""
 
 
+#: The start-up variables of the fork server every warm worker is forked from (set when it
+#: starts: with the first pool's), or None before.
+_server_started_with: dict[str, str] | None = None
+
+
+def _context(started_with: list[dict[str, str]]) -> Any:
+    """Where a pool's warm workers come from: forks of one server per test process that has
+    imported PRELOAD once (each warm worker would otherwise spend ~3 s of CPU importing it),
+    or brand-new interpreters for a pool whose start-up variables differ from the server's."""
+    global _server_started_with
+    if _server_started_with is None:
+        _server_started_with = started_with[0]
+    if any(variables != _server_started_with for variables in started_with):
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
 class WarmPool:
     """One warm worker per rank for ``world_size`` ranks (see the module docstring)."""
 
     def __init__(self, world_size: int, environment: Callable[[int], dict[str, str]]) -> None:
         self.world_size = world_size
-        context = multiprocessing.get_context("spawn")
         self._connections: list[Connection] = []
         self._processes: list[Any] = []
         self._folder = Path(tempfile.mkdtemp(prefix=f"warm-workers-{world_size}-"))
         saved = dict(os.environ)
         #: What each warm worker's environment was when it started.
         self.started_with = [environment(rank) for rank in range(world_size)]
+        context = _context(self.started_with)
         try:
             for rank in range(world_size):
                 os.environ.update(self.started_with[rank])
