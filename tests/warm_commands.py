@@ -285,13 +285,12 @@ def _look_fresh(request: dict[str, Any]) -> None:
     tempfile.tempdir = None
     import torch
 
+    from tests.warm_workers import reseed
+
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    torch.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
+    reseed()
 
 
 def _run_main(argv: list[str]) -> int:

@@ -27,7 +27,6 @@ import importlib
 import multiprocessing
 import os
 import pickle
-import random
 import signal
 import sys
 import tempfile
@@ -54,10 +53,9 @@ PRELOAD = (
 NEVER_PRELOAD = ("ray", "torchft", "lightning", "pytorch_lightning", "tensorboard", "moto")
 
 
-def _reseed() -> None:
-    """A forked child would otherwise replay its parent's random streams, where a freshly
-    started process draws new seeds."""
-    random.seed()
+def reseed() -> None:
+    """A forked child would otherwise replay its parent's torch and NumPy random streams,
+    where a freshly started process draws new seeds (``random`` reseeds itself at fork)."""
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()
@@ -76,7 +74,7 @@ def _run_child(task: bytes, env: dict[str, str], cwd: str, output: str, result_f
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    _reseed()
+    reseed()
     try:
         fn, args, kwargs = pickle.loads(task)
         value = fn(*args, **kwargs)
