@@ -50,6 +50,26 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+#: The repository's packages that the suite's processes import (the installed ones have
+#: their bytecode caches from pip).
+BYTECODE_FOLDERS = ("core", "integrations", "tests", "benchmarks")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Write the checkout's bytecode caches once, before the pytest-xdist workers start, as
+    installing a wheel does: under ``PYTHONDONTWRITEBYTECODE=1`` (set on CI machines) every
+    process the suite starts would otherwise compile what it imports of the checkout from
+    source, a few hundred of them. Python reads caches whatever that variable says."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for folder in BYTECODE_FOLDERS:
+        compileall.compile_dir(root / folder, quiet=1)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build DeepSpeed's CPU communication op in the background while the first tests run,
     when the chosen tests use DeepSpeed and the build is not cached: the first DeepSpeed test
