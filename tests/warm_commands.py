@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -229,6 +230,9 @@ def _serve() -> None:
     for name in PRELOAD:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+    # A command's full garbage collections then skip the ~350,000 objects it inherits
+    # (0.3 s of CPU each, and a copy of every page they touch).
+    gc.freeze()
     requests, answers = sys.stdin, sys.stdout
     for line in requests:
         request = json.loads(line)

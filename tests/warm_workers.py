@@ -23,6 +23,7 @@ Messages between the test process and a warm worker (a duplex pipe):
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import multiprocessing
 import os
@@ -130,6 +131,7 @@ def _warm_worker(connection: Connection) -> None:
         modules_read, modules_write = os.pipe()
         result_read, result_write = os.pipe()
         release_read, release_write = os.pipe()
+        gc.freeze()  # the child's full collections skip what it inherits (warm_commands)
         pid = os.fork()
         if pid == 0:
             os.close(result_read)
