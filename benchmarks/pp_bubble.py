@@ -40,7 +40,9 @@ Each schedule is measured three ways in one run, rotated round by round: **slips
 out the schedule: core/parallel/pipeline/receives.py, runner.py), **torch schedule**
 (slipstream running torch's schedule as it is, ``PipelineRuntime.set_early_receives(False)``:
 what slipstream did before) and **torch loop** (the hand-written loop: the same blocks split
-by hand, a ``PipelineStage`` per local stage and torch's schedule class). Their final
+by hand, a ``PipelineStage`` per local stage and torch's schedule class); with
+``--variants`` also **slipstream over gloo** (its runner with the transfers on gloo, not
+the local Unix-socket transport: local_transport.py). Their final
 gradients are the same bits (tests/core/parallel/test_pipeline_receives.py); only where the
 idle time goes differs.
 
@@ -72,10 +74,13 @@ from torch import nn
 
 from slipstream.parallel.config_values import PIPELINE_SCHEDULES as PIPELINE_CLASSES
 
-# What each schedule is measured as: slipstream (receives posted when the step starts, over
-# gloo), slipstream running torch's schedule as it is ("before"), and the hand-written torch
-# loop.
+# What each schedule is measured as: slipstream (over gloo its receives are posted when the
+# step starts, and between processes of one machine its runner's transfers use Unix sockets),
+# slipstream running torch's schedule as it is ("before"), and the hand-written torch loop.
 VARIANTS = ("slipstream", "torch schedule", "torch loop")
+#: Measured only when asked for (--variants): slipstream's runner with its transfers on gloo
+#: rather than the local Unix-socket transport (what it did before that transport).
+EXTRA_VARIANTS = ("slipstream over gloo",)
 SCHEDULES = (
     "gpipe",
     "1f1b",
@@ -298,7 +303,9 @@ def _variant(
     runtime = pipeline_of(accelerator.unwrap_model(model))
     assert runtime is not None
     # "before": torch's schedule as it is (receives posted just before their action).
-    runtime.set_early_receives(variant == "slipstream")
+    runtime.set_early_receives(
+        variant in ("slipstream", "slipstream over gloo"), local_transport=variant == "slipstream"
+    )
 
     def forward_backward(x: torch.Tensor, y: torch.Tensor) -> Any:
         return accelerator.forward_backward(model, x, target=y, loss_fn=F.mse_loss)
@@ -427,7 +434,9 @@ def main() -> None:
     parser.add_argument("--timed", type=int)
     parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
     parser.add_argument("--cases", help="processes x micro-batches, e.g. 2x4,2x8")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS + EXTRA_VARIANTS)}"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.microbatches, args.schedules.split(","), args.rounds, args.timed,

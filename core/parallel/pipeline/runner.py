@@ -11,8 +11,10 @@ receives.py, all at the start of the step) and waited on by the computation that
 it. Sends are posted by one sender thread per process, in the order of the list: with the
 receive already posted, gloo writes a send's data in the thread that posts it, and on the
 CPUs measured that write (which also wakes the receiver's threads) took 7-15% of a step
-when done between the actions; the computing thread now only hands the send over. Sends
-are waited on at the end of the step.
+when done between the actions; the computing thread now only hands the send over. Between
+processes of one machine the transfers go over Unix sockets instead (local_transport.py:
+the computing thread writes and reads them itself, with the sender thread taking what a
+socket cannot take at once). Sends are waited on at the end of the step.
 
 Stages wrapped in FSDP (``UNSHARD``/``RESHARD`` actions do real work) and schedules with
 custom action functions keep torch's runner.
@@ -35,7 +37,7 @@ import torch
 _sender: tuple[int, ThreadPoolExecutor] | None = None
 
 
-def _sending_thread() -> ThreadPoolExecutor:
+def sending_thread() -> ThreadPoolExecutor:
     """This process's sender thread (made anew in a forked child, which has no threads)."""
     global _sender
     if _sender is None or _sender[0] != os.getpid():
@@ -49,6 +51,9 @@ class ActionRunner:
 
     def __init__(self, schedule: Any) -> None:
         self.schedule = schedule
+        #: The pipeline group's Unix-socket channels (local_transport.py), when its
+        #: ``PipelineRuntime`` found every process on this machine; gloo otherwise.
+        self.channels: Any = None
 
     @staticmethod
     def applies_to(schedule: Any) -> bool:
@@ -79,6 +84,9 @@ class ActionRunner:
         first_target = target_mbs[0] if target_mbs is not None else None
         schedule._initialize_stages(args[0], kwargs[0], first_target, loss_kwargs)
         step = _Step(schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs)
+        if self.channels is not None:
+            self.channels.check_drained()
+            step.post, step.local = self.channels.post, True
         for action in schedule.pipeline_order_with_comms[schedule.rank]:
             label = (
                 torch.profiler.record_function(f"PP:{action}")
@@ -114,7 +122,8 @@ class _Step:
         self.return_outputs, self.loss_kwargs = return_outputs, loss_kwargs
         self.receives: dict[tuple[str, int, int], list[Any]] = {}
         self.sends: list[Future[list[Any]]] = []
-        self.sender = _sending_thread()
+        self.sender = sending_thread()
+        self.local = False  # sends written by this thread (local_transport.py) or handed over
         self.backwards: Counter[int] = Counter()
 
     def run(self, action: Any) -> None:
@@ -135,9 +144,9 @@ class _Step:
         elif kind == Kind.RECV_B:
             self.receives["B", index, chunk] = _batch_p2p(stage.get_bwd_recv_ops(chunk))
         elif kind == Kind.SEND_F:
-            self.sends.append(self.sender.submit(_batch_p2p, stage.get_fwd_send_ops(chunk)))
+            self._send(stage.get_fwd_send_ops(chunk))
         elif kind == Kind.SEND_B:
-            self.sends.append(self.sender.submit(_batch_p2p, stage.get_bwd_send_ops(chunk)))
+            self._send(stage.get_bwd_send_ops(chunk))
         elif kind == Kind.FORWARD:
             self._forward(stage, index, chunk)
         elif kind in (Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT):
@@ -148,6 +157,14 @@ class _Step:
             stage.backward_weight_one_chunk(chunk, last_backward=last)
         else:
             raise ValueError(f"the pipeline runner cannot run action {action}")
+
+    def _send(self, ops: list[Any]) -> None:
+        if self.local:  # written now, without blocking (the rest by the sender thread)
+            posted: Future[list[Any]] = Future()
+            posted.set_result(self.post(ops))
+            self.sends.append(posted)
+        else:
+            self.sends.append(self.sender.submit(self.post, ops))
 
     def _wait(self, key: tuple[str, int, int]) -> None:
         if key not in self.receives:

@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from ..config_values import PIPELINE_SCHEDULES, schedule_name
 from ..errors import ParallelismConfigError
+from .local_transport import local_channels
 from .receives import posts_without_blocking, with_early_receives
+from .runner import ActionRunner, sending_thread
 
 #: Schedules that run one stage per process; the others run several ("virtual" stages).
 SINGLE_STAGE = ("gpipe", "1f1b")
@@ -115,7 +117,10 @@ class PipelineRuntime:
         self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         # Over gloo every receive of a step is posted when it starts (see receives.py).
         self.early_receives = early_receives and posts_without_blocking(group, stages)
+        self.channels: Any = None  # local_transport.py's, when every process is here
+        self.local_transport = True
         self.schedule = self._new_schedule()
+        self._connect_locally()
         self._signature: Any = None
 
     def _new_schedule(self) -> Any:
@@ -132,15 +137,35 @@ class PipelineRuntime:
         )
         if not self.early_receives:
             return schedule
-        return with_early_receives(
+        schedule = with_early_receives(
             schedule, self.plan.schedule, self.stages, self.plan.microbatches, self._loss
         )
+        if isinstance(schedule._step_microbatches, ActionRunner):
+            schedule._step_microbatches.channels = self.channels
+        return schedule
 
-    def set_early_receives(self, enabled: bool) -> None:
+    def _connect_locally(self) -> None:
+        """Between processes on one machine the runner's transfers go over Unix sockets
+        rather than gloo (local_transport.py): decided and connected together by every
+        process of the pipeline (a collective; the schedule may later be rebuilt on some
+        processes only, and keeps the channels)."""
+        if not self.early_receives:  # (the same on every process: backend and devices)
+            self.channels = None
+            return
+        runner = self.schedule._step_microbatches
+        wanted = isinstance(runner, ActionRunner) and self.local_transport
+        self.channels = local_channels(self.group, wanted, sending_thread)
+        if isinstance(runner, ActionRunner):
+            runner.channels = self.channels
+
+    def set_early_receives(self, enabled: bool, local_transport: bool = True) -> None:
         """Post each step's receives when it starts (over gloo; the default) or run torch's
-        schedule as it is (for comparisons)."""
+        schedule as it is; with ``local_transport=False`` the runner's transfers stay on
+        gloo even when every process runs here (both for comparisons). A collective."""
         self.early_receives = enabled and posts_without_blocking(self.group, self.stages)
+        self.local_transport = local_transport
         self.schedule = self._new_schedule()
+        self._connect_locally()
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None

@@ -1,6 +1,6 @@
 """Pipeline schedules with every receive posted when the step starts (gloo), run by
-slipstream's action runner: the same gradients, weights and losses as torch's own
-schedules, bit for bit, for every schedule."""
+slipstream's action runner over the local Unix-socket transport: the same gradients,
+weights and losses as torch's own schedules, bit for bit, for every schedule."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def _train(name: str, early: bool) -> dict[str, Any]:
     return {
         "early": runtime.early_receives,
         "runner": isinstance(runtime.schedule._step_microbatches, ActionRunner),
+        "local": runtime.channels is not None,
         "losses": losses,
         "gradients": gradients,
         "weights": [p.detach().clone() for p in parameters],
@@ -77,6 +78,8 @@ def _every_schedule() -> dict[str, Any]:
         results[name] = {
             "early": early_run["early"] and early_run["runner"],
             "torch_is_early": torch_run["early"],
+            # Both processes run here: the runner's transfers go over Unix sockets.
+            "local": early_run["local"] and not torch_run["local"],
             "same_losses": all(
                 torch.equal(a, b)
                 for a, b in zip(torch_run["losses"], early_run["losses"], strict=True)
@@ -115,6 +118,7 @@ def test_early_receives_train_bitwise_like_torchs_schedules():
         assert set(results) == set(PIPELINE_SCHEDULES)
         for name, result in results.items():
             assert result["early"] and not result["torch_is_early"], (rank, name)
+            assert result["local"], (rank, name)
             assert result["trained"], (rank, name)
             assert result["same_losses"], (rank, name)
             assert result["same_gradients"], (rank, name)

@@ -1,0 +1,133 @@
+"""The pipeline's Unix-socket transport (core/parallel/pipeline/local_transport.py): sends
+larger than the socket takes at once, gloo kept where a process is elsewhere, and the
+errors for messages that do not line up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.parallel.pipeline import local_transport
+from slipstream.parallel.pipeline.runner import sending_thread
+from slipstream.parallel.pipeline.runtime import PipelineRuntime, resolve_plan
+from tests.distributed import run_distributed
+
+# 2 MiB per micro-batch activation: far more than a Unix socket's buffer, so every send is
+# partly written by the sender thread.
+WIDTH, MICROBATCHES = 1 << 19, 4
+
+
+class Scale(nn.Module):
+    """An elementwise layer: large activations without large weights."""
+
+    def __init__(self, width: int, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.weight)
+
+
+def _train(name: str, early: bool) -> dict[str, Any]:
+    from torch.distributed.pipelining import PipelineStage
+
+    plan = resolve_plan(2, name, MICROBATCHES, None)
+    stages, parameters = [], []
+    for index in plan.stages_of(dist.get_rank()):
+        module = Scale(WIDTH, seed=index)
+        parameters += list(module.parameters())
+        stages.append(PipelineStage(module, index, plan.num_stages, torch.device("cpu")))
+    runtime = PipelineRuntime(stages, None, plan, early_receives=early)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(MICROBATCHES, WIDTH, generator=generator)
+    y = torch.randn(MICROBATCHES, WIDTH, generator=generator)
+    loss = runtime.train((x,), y, F.mse_loss, lambda loss: loss)
+    return {
+        "local": runtime.channels is not None,
+        "loss": loss,
+        "gradients": [p.grad.clone() for p in parameters],
+    }
+
+
+def _large_sends_and_fallback() -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    results: dict[str, Any] = {}
+    for name in ("1f1b", "interleaved_1f1b"):
+        reference, local = _train(name, early=False), _train(name, early=True)
+        results[name] = {
+            "local": local["local"],
+            "same": torch.equal(reference["loss"], local["loss"])
+            and all(
+                torch.equal(a, b)
+                for a, b in zip(reference["gradients"], local["gradients"], strict=True)
+            ),
+        }
+    # One process that says it runs elsewhere: every process keeps gloo, and trains the same.
+    if dist.get_rank() == 1:
+        local_transport.socket.gethostname = lambda: "another-machine"  # type: ignore[assignment]
+    reference, elsewhere = _train("1f1b", early=False), _train("1f1b", early=True)
+    results["elsewhere"] = {
+        "local": elsewhere["local"],
+        "same": all(
+            torch.equal(a, b)
+            for a, b in zip(reference["gradients"], elsewhere["gradients"], strict=True)
+        ),
+    }
+    dist.destroy_process_group()
+    return results
+
+
+def test_sends_larger_than_the_socket_and_a_process_elsewhere():
+    for rank, results in enumerate(run_distributed(_large_sends_and_fallback, timeout=240)):
+        for name in ("1f1b", "interleaved_1f1b"):
+            assert results[name] == {"local": True, "same": True}, (rank, name)
+        assert results["elsewhere"] == {"local": False, "same": True}, rank
+
+
+def _misaligned() -> dict[str, str]:
+    dist.init_process_group("gloo")
+    group = dist.new_group([0, 1])
+    channels = local_transport.local_channels(group, True, sending_thread)
+    assert channels is not None
+    peer = 1 - dist.get_rank()
+    errors: dict[str, str] = {}
+    if dist.get_rank() == 1:
+        buffer = torch.empty(4)
+        works = channels.post([dist.P2POp(dist.irecv, buffer, peer, group)])
+        with pytest.raises(RuntimeError) as unread:
+            channels.check_drained()
+        errors["unread"] = str(unread.value)
+        dist.barrier()
+        for work in works:
+            work.wait()
+        errors["received"] = str(buffer.tolist())
+        too_large = torch.empty(8)
+        works = channels.post([dist.P2POp(dist.irecv, too_large, peer, group)])
+        with pytest.raises(RuntimeError) as mismatch:
+            works[0].wait()
+        errors["mismatch"] = str(mismatch.value)
+        with pytest.raises(ValueError) as strided:
+            channels.post([dist.P2POp(dist.isend, torch.zeros(4, 2).t(), peer, group)])
+        errors["strided"] = str(strided.value)
+    else:
+        dist.barrier()
+        for tensor in (torch.arange(4.0), torch.zeros(4)):
+            for work in channels.post([dist.P2POp(dist.isend, tensor, peer, group)]):
+                work.wait()
+    dist.barrier()
+    dist.destroy_process_group()
+    return errors
+
+
+def test_messages_that_do_not_line_up_fail_loudly():
+    errors = run_distributed(_misaligned, timeout=120)[1]
+    assert "left receives unread" in errors["unread"]
+    assert errors["received"] == "[0.0, 1.0, 2.0, 3.0]"
+    assert "16 bytes arrived for a 32-byte receive" in errors["mismatch"]
+    assert "contiguous CPU tensors" in errors["strided"]
