@@ -6,8 +6,8 @@ the receiver's I/O thread reads it before waking the computing thread. With as m
 processes as cores (the CPU case), each of those wake-ups takes a core from a computation
 and each hand-over waits for one. Here the two processes of a pair share one Unix stream
 socket: a send writes the tensor's bytes from the computing thread without blocking (what
-the socket cannot take at once goes to the sender thread, behind which that peer's later
-sends queue), and a wait reads them, in the computing thread, straight into the receive
+the socket cannot take at once goes to a writer thread of that socket, behind which that
+peer's later sends queue), and a wait reads them, in the computing thread, straight into the receive
 buffer. A pair's messages arrive in the order they were sent, as gloo matches them; each
 carries its length, so a mismatch fails loudly rather than filling a buffer with another
 message. The bytes are the tensor's own: results are bitwise those over gloo.
@@ -29,12 +29,13 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import queue
 import secrets
 import socket
 import struct
+import sys
 import threading
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -105,7 +106,8 @@ class _Receive:
 
 
 class _Backlog:
-    """The part of a send the socket could not take at once, written by the sender thread."""
+    """The part of a send the socket could not take at once, written by the channel's
+    writer thread."""
 
     __slots__ = ("future",)
 
@@ -123,9 +125,12 @@ class _Backlog:
 class _Channel:
     """One socket to one peer."""
 
-    def __init__(self, sock: socket.socket, sender: Callable[[], Any]) -> None:
-        self.sock = sock
-        self.sender = sender  # the process's sender thread (an executor), made on demand
+    def __init__(self, sock: socket.socket, peer: int) -> None:
+        self.sock, self.peer = sock, peer
+        # One writer thread per socket (made when first needed): a write blocked until this
+        # peer reads never holds back a send to another peer, so no chain of processes
+        # waiting on each other's reads can close into a cycle.
+        self.writer: _Writer | None = None
         self.pending: collections.deque[_Receive] = collections.deque()
         self.reading = threading.Lock()
         self.backlog: Future[None] | None = None
@@ -135,18 +140,52 @@ class _Channel:
         parts = [memoryview(_HEADER.pack(data.nbytes)), data]
         if self.backlog is None or self.backlog.done():
             if self.backlog is not None:
-                self.backlog.result()  # raise what the sender thread met
+                self.backlog.result()  # raise what the writer thread met
             parts = _send_without_blocking(self.sock, parts)
             if not parts:
                 return None
-        # Queued behind this peer's earlier backlog (the sender thread runs in order).
-        self.backlog = self.sender().submit(_send_all, self.sock, parts, tensor)
+        if self.writer is None:
+            self.writer = _Writer(self.sock, self.peer)
+        # Queued behind this peer's earlier backlog (the writer runs in order).
+        self.backlog = self.writer.submit(parts, tensor)
         return _Backlog(self.backlog)
 
     def read_until(self, receive: _Receive) -> None:
         with self.reading:
             while not receive.done:
-                self.pending.popleft().read()
+                # Taken off the queue once read: a read that fails part way leaves it there,
+                # so the next step sees that the stream no longer lines up.
+                self.pending[0].read()
+                self.pending.popleft()
+
+
+class _Writer:
+    """A daemon thread writing one socket's backlogs in order (a daemon: a process ending
+    while its peer no longer reads must not wait for it at exit)."""
+
+    def __init__(self, sock: socket.socket, peer: int) -> None:
+        self.sock = sock
+        self.queue: queue.SimpleQueue[tuple[Future[None], list[memoryview], torch.Tensor]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, name=f"slipstream-pp-to-{peer}", daemon=True).start()
+
+    def submit(self, parts: list[memoryview], tensor: torch.Tensor) -> Future[None]:
+        """Write ``parts`` (views of ``tensor``, held until they are written)."""
+        future: Future[None] = Future()
+        self.queue.put((future, parts, tensor))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, parts, _tensor = self.queue.get()
+            try:
+                for part in parts:
+                    self.sock.sendall(part)
+            except BaseException as error:  # handed to whoever waits on the send
+                future.set_exception(error)
+            else:
+                future.set_result(None)
 
 
 def _send_without_blocking(sock: socket.socket, parts: list[memoryview]) -> list[memoryview]:
@@ -163,12 +202,6 @@ def _send_without_blocking(sock: socket.socket, parts: list[memoryview]) -> list
             left.append(part[sent:])
             sent = 0
     return left
-
-
-def _send_all(sock: socket.socket, parts: list[memoryview], tensor: torch.Tensor) -> None:
-    """Write ``parts`` (views of ``tensor``, held here until they are written)."""
-    for part in parts:
-        sock.sendall(part)
 
 
 class LocalChannels:
@@ -209,19 +242,20 @@ class LocalChannels:
             channel.sock.close()
 
 
-def local_channels(group: Any, wanted: bool, sender: Callable[[], Any]) -> LocalChannels | None:
+def local_channels(group: Any, wanted: bool) -> LocalChannels | None:
     """The channels of ``group`` (None: gloo stays) — a collective over the group, on every
     process of it, each saying whether it ``wanted`` them; used only when all do and all run
-    on this machine. ``sender`` gives the process's sender thread (an executor)."""
+    on this machine."""
     group = group if group is not None else dist.group.WORLD
-    here = (socket.gethostname(), _namespace(), bool(wanted))
+    # Abstract Unix addresses (no file on disk) exist on Linux only.
+    here = (socket.gethostname(), _namespace(), bool(wanted) and sys.platform == "linux")
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, here, group=group)
     if not all(entry[2] for entry in everyone) or len({entry[:2] for entry in everyone}) != 1:
         return None
     pid, channels = _CONNECTED.get(group, (None, None))
     if pid != os.getpid():
-        channels = _connect(group, sender)
+        channels = _connect(group)
         _CONNECTED[group] = (os.getpid(), channels)
     return channels
 
@@ -234,19 +268,26 @@ def _namespace() -> str:
         return ""
 
 
-def _connect(group: Any, sender: Callable[[], Any]) -> LocalChannels | None:
+def _connect(group: Any) -> LocalChannels | None:
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank()
     token: list[Any] = [secrets.token_hex(8)]
     dist.broadcast_object_list(token, group_src=0, group=group)
     address = f"\0slipstream-pipeline-{token[0]}-{{}}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address.format(me))  # abstract (leading NUL): nothing left on disk
-    listener.listen(len(ranks))
-    listener.settimeout(60.0)  # a peer that failed to connect must not leave us waiting
-    dist.barrier(group=group)
+    try:
+        listener.bind(address.format(me))  # abstract (leading NUL): nothing left on disk
+        listener.listen(len(ranks))
+        listener.settimeout(60.0)  # a peer that failed to connect must not leave us waiting
+        listening = True
+    except OSError:
+        listening = False
+    everyone: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(everyone, listening, group=group)
     sockets: dict[int, socket.socket] = {}
     try:
+        if not all(everyone):
+            raise OSError("a process of the pipeline could not listen")
         for peer in ranks:
             if peer < me:  # the higher rank connects and says who it is
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -266,10 +307,10 @@ def _connect(group: Any, sender: Callable[[], Any]) -> LocalChannels | None:
         connected = False
     finally:
         listener.close()
-    everyone: list[Any] = [None] * len(ranks)
+    everyone = [None] * len(ranks)
     dist.all_gather_object(everyone, connected, group=group)
     if not all(everyone):
         for sock in sockets.values():
             sock.close()
         return None
-    return LocalChannels({peer: _Channel(sock, sender) for peer, sock in sockets.items()})
+    return LocalChannels({peer: _Channel(sock, peer) for peer, sock in sockets.items()})

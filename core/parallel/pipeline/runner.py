@@ -13,8 +13,8 @@ receive already posted, gloo writes a send's data in the thread that posts it, a
 CPUs measured that write (which also wakes the receiver's threads) took 7-15% of a step
 when done between the actions; the computing thread now only hands the send over. Between
 processes of one machine the transfers go over Unix sockets instead (local_transport.py:
-the computing thread writes and reads them itself, with the sender thread taking what a
-socket cannot take at once). Sends are waited on at the end of the step.
+the computing thread writes and reads them itself, with a writer thread per socket taking
+what the socket cannot take at once). Sends are waited on at the end of the step.
 
 Stages wrapped in FSDP (``UNSHARD``/``RESHARD`` actions do real work) and schedules with
 custom action functions keep torch's runner.
@@ -37,7 +37,7 @@ import torch
 _sender: tuple[int, ThreadPoolExecutor] | None = None
 
 
-def sending_thread() -> ThreadPoolExecutor:
+def _sending_thread() -> ThreadPoolExecutor:
     """This process's sender thread (made anew in a forked child, which has no threads)."""
     global _sender
     if _sender is None or _sender[0] != os.getpid():
@@ -122,7 +122,7 @@ class _Step:
         self.return_outputs, self.loss_kwargs = return_outputs, loss_kwargs
         self.receives: dict[tuple[str, int, int], list[Any]] = {}
         self.sends: list[Future[list[Any]]] = []
-        self.sender = sending_thread()
+        self.sender = _sending_thread()
         self.local = False  # sends written by this thread (local_transport.py) or handed over
         self.backwards: Counter[int] = Counter()
 

@@ -28,7 +28,7 @@ from ..config_values import PIPELINE_SCHEDULES, schedule_name
 from ..errors import ParallelismConfigError
 from .local_transport import local_channels
 from .receives import posts_without_blocking, with_early_receives
-from .runner import ActionRunner, sending_thread
+from .runner import ActionRunner
 
 #: Schedules that run one stage per process; the others run several ("virtual" stages).
 SINGLE_STAGE = ("gpipe", "1f1b")
@@ -149,12 +149,12 @@ class PipelineRuntime:
         rather than gloo (local_transport.py): decided and connected together by every
         process of the pipeline (a collective; the schedule may later be rebuilt on some
         processes only, and keeps the channels)."""
-        if not self.early_receives:  # (the same on every process: backend and devices)
+        if "gloo" not in str(dist.get_backend(self.group)):  # (the same on every process)
             self.channels = None
             return
         runner = self.schedule._step_microbatches
-        wanted = isinstance(runner, ActionRunner) and self.local_transport
-        self.channels = local_channels(self.group, wanted, sending_thread)
+        wanted = isinstance(runner, ActionRunner) and self.early_receives and self.local_transport
+        self.channels = local_channels(self.group, wanted)
         if isinstance(runner, ActionRunner):
             runner.channels = self.channels
 

@@ -13,12 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.parallel.pipeline import local_transport
-from slipstream.parallel.pipeline.runner import sending_thread
 from slipstream.parallel.pipeline.runtime import PipelineRuntime, resolve_plan
 from tests.distributed import run_distributed
 
 # 2 MiB per micro-batch activation: far more than a Unix socket's buffer, so every send is
-# partly written by the sender thread.
+# partly written by the socket's writer thread.
 WIDTH, MICROBATCHES = 1 << 19, 4
 
 
@@ -93,7 +92,7 @@ def test_sends_larger_than_the_socket_and_a_process_elsewhere():
 def _misaligned() -> dict[str, str]:
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
-    channels = local_transport.local_channels(group, True, sending_thread)
+    channels = local_transport.local_channels(group, True)
     assert channels is not None
     peer = 1 - dist.get_rank()
     errors: dict[str, str] = {}
