@@ -122,9 +122,14 @@ def test_a_lost_machine_shrinks_the_job_and_a_new_one_grows_it(tmp_path: Path, n
     layout = LAYOUTS[name]
     project.mkdir()
     budget.write_text("3")
-    launchers = [_launcher(port, project, budget, host=True, layout=layout)]
-    time.sleep(0.3)  # the first launcher hosts the rendezvous store (the endpoint)
-    launchers.append(_launcher(port, project, budget, host=False, layout=layout))
+    # The job must start on both machines: the rendezvous settles 1 s (last_call_timeout)
+    # after the first machine joins, and a launcher's imports take seconds on a busy machine,
+    # so the joining machine starts first and waits for the host's store (the endpoint);
+    # started the other way round it could miss the first round (the job would then run on
+    # one machine from step 1, a timeline this test does not model).
+    joining = _launcher(port, project, budget, host=False, layout=layout)
+    time.sleep(2.0)
+    launchers = [_launcher(port, project, budget, host=True, layout=layout), joining]
     started = time.monotonic()
     try:
         _wait_for(project, launchers, 90, event="step", step=3, world=2)
@@ -167,7 +172,8 @@ def test_a_lost_machine_shrinks_the_job_and_a_new_one_grows_it(tmp_path: Path, n
     resumes = [line for line in lines if "resumed from" in line]
     lines = [line for line in lines if "resumed from" not in line][:4] + resumes
     expected = [
-        r"rank 0 failed \(.+\) at step 3; restart 1/3: the workers meet again; a lost machine "
+        # (The surviving machine's worker: rank 1 when the joining machine met first.)
+        r"rank [01] failed \(.+\) at step 3; restart 1/3: the workers meet again; a lost machine "
         r"is dropped after 5 s without heartbeats \(keep_alive_interval 1 s x "
         r"keep_alive_max_attempt 5\), and the new size is settled 1 s \(last_call_timeout\) "
         r"after the fewest machines are there",
