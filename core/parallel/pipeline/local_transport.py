@@ -101,9 +101,6 @@ class _Receive:
             self.channel.read_until(self)
         return True
 
-    def is_completed(self) -> bool:
-        return self.done
-
 
 class _Backlog:
     """The part of a send the socket could not take at once, written by the channel's
@@ -117,9 +114,6 @@ class _Backlog:
     def wait(self, timeout: Any = None) -> bool:
         self.future.result()
         return True
-
-    def is_completed(self) -> bool:
-        return self.future.done()
 
 
 class _Channel:
@@ -236,10 +230,6 @@ class LocalChannels:
                 "stopped part way, e.g. on an exception): the stages' messages no longer "
                 "line up; restart the processes (or resume from a checkpoint)"
             )
-
-    def close(self) -> None:
-        for channel in self.channels.values():
-            channel.sock.close()
 
 
 def local_channels(group: Any, wanted: bool) -> LocalChannels | None:

@@ -83,10 +83,9 @@ class ActionRunner:
         args, kwargs = schedule._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
         schedule._initialize_stages(args[0], kwargs[0], first_target, loss_kwargs)
-        step = _Step(schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs)
         if self.channels is not None:
             self.channels.check_drained()
-            step.post, step.local = self.channels.post, True
+        step = _Step(schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs, self.channels)
         for action in schedule.pipeline_order_with_comms[schedule.rank]:
             label = (
                 torch.profiler.record_function(f"PP:{action}")
@@ -111,10 +110,15 @@ class _Step:
         targets: list[Any] | None,
         return_outputs: bool,
         loss_kwargs: dict[str, Any] | None,
+        channels: Any,
     ) -> None:
         from torch.distributed.pipelining import schedules
 
-        self.kinds, self.post = schedules._ComputationType, schedules._batch_p2p
+        self.kinds = schedules._ComputationType
+        # Over local sockets (local_transport.py) sends are written by this thread; over
+        # gloo they are handed to the sender thread.
+        self.local = channels is not None
+        self.post = channels.post if self.local else schedules._batch_p2p
         self.helpers = schedules  # its _wait_batch_p2p, looked up when waiting
         self.schedule = schedule
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
@@ -123,7 +127,6 @@ class _Step:
         self.receives: dict[tuple[str, int, int], list[Any]] = {}
         self.sends: list[Future[list[Any]]] = []
         self.sender = _sending_thread()
-        self.local = False  # sends written by this thread (local_transport.py) or handed over
         self.backwards: Counter[int] = Counter()
 
     def run(self, action: Any) -> None:
@@ -159,7 +162,7 @@ class _Step:
             raise ValueError(f"the pipeline runner cannot run action {action}")
 
     def _send(self, ops: list[Any]) -> None:
-        if self.local:  # written now, without blocking (the rest by the sender thread)
+        if self.local:  # written now, without blocking (the rest by the socket's writer)
             posted: Future[list[Any]] = Future()
             posted.set_result(self.post(ops))
             self.sends.append(posted)
