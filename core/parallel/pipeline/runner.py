@@ -54,6 +54,9 @@ class ActionRunner:
         #: The pipeline group's Unix-socket channels (local_transport.py), when its
         #: ``PipelineRuntime`` found every process on this machine; gloo otherwise.
         self.channels: Any = None
+        #: Over the channels: which of a stage's outputs (or input gradients) each of its
+        #: sends carries, and to which process (see _Step._write), learned on its first.
+        self.routes: dict[tuple[bool, int], list[tuple[int, int]]] = {}
 
     @staticmethod
     def applies_to(schedule: Any) -> bool:
@@ -85,7 +88,10 @@ class ActionRunner:
         schedule._initialize_stages(args[0], kwargs[0], first_target, loss_kwargs)
         if self.channels is not None:
             self.channels.check_drained()
-        step = _Step(schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs, self.channels)
+        step = _Step(
+            schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs, self.channels,
+            self.routes,
+        )  # fmt: skip
         for action in schedule.pipeline_order_with_comms[schedule.rank]:
             label = (
                 torch.profiler.record_function(f"PP:{action}")
@@ -95,7 +101,9 @@ class ActionRunner:
             with label:
                 step.run(action)
         # Long done, as a rule; waited on so that no buffer is reused while it is sent.
-        step.helpers._wait_batch_p2p([work for posted in step.sends for work in posted.result()])
+        step.helpers._wait_batch_p2p(
+            step.backlogs + [work for posted in step.sends for work in posted.result()]
+        )
         schedule._update_losses(schedule._stages, losses)
 
 
@@ -111,6 +119,7 @@ class _Step:
         return_outputs: bool,
         loss_kwargs: dict[str, Any] | None,
         channels: Any,
+        routes: dict[tuple[bool, int], list[tuple[int, int]]],
     ) -> None:
         from torch.distributed.pipelining import schedules
 
@@ -118,6 +127,7 @@ class _Step:
         # Over local sockets (local_transport.py) sends are written by this thread; over
         # gloo they are handed to the sender thread.
         self.local = channels is not None
+        self.channels, self.routes = channels, routes
         self.post = channels.post if self.local else schedules._batch_p2p
         self.helpers = schedules  # its _wait_batch_p2p, looked up when waiting
         self.schedule = schedule
@@ -125,7 +135,8 @@ class _Step:
         self.args, self.kwargs, self.targets = args, kwargs, targets
         self.return_outputs, self.loss_kwargs = return_outputs, loss_kwargs
         self.receives: dict[tuple[str, int, int], list[Any]] = {}
-        self.sends: list[Future[list[Any]]] = []
+        self.sends: list[Future[list[Any]]] = []  # over gloo, posted by the sender thread
+        self.backlogs: list[Any] = []  # over the channels: what a socket did not take at once
         self.sender = _sending_thread()
         self.backwards: Counter[int] = Counter()
 
@@ -147,9 +158,9 @@ class _Step:
         elif kind == Kind.RECV_B:
             self.receives["B", index, chunk] = _batch_p2p(stage.get_bwd_recv_ops(chunk))
         elif kind == Kind.SEND_F:
-            self._send(stage.get_fwd_send_ops(chunk))
+            self._send(stage, True, chunk)
         elif kind == Kind.SEND_B:
-            self._send(stage.get_bwd_send_ops(chunk))
+            self._send(stage, False, chunk)
         elif kind == Kind.FORWARD:
             self._forward(stage, index, chunk)
         elif kind in (Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT):
@@ -161,13 +172,38 @@ class _Step:
         else:
             raise ValueError(f"the pipeline runner cannot run action {action}")
 
-    def _send(self, ops: list[Any]) -> None:
+    def _send(self, stage: Any, forward: bool, chunk: int) -> None:
+        """Send ``chunk``'s outputs (``forward``) or input gradients to the stages that
+        take them."""
         if self.local:  # written now, without blocking (the rest by the socket's writer)
-            posted: Future[list[Any]] = Future()
-            posted.set_result(self.post(ops))
-            self.sends.append(posted)
-        else:
-            self.sends.append(self.sender.submit(self.post, ops))
+            self.backlogs += self._write(stage, forward, chunk)
+            return
+        ops = stage.get_fwd_send_ops(chunk) if forward else stage.get_bwd_send_ops(chunk)
+        self.sends.append(self.sender.submit(self.post, ops))
+
+    def _write(self, stage: Any, forward: bool, chunk: int) -> list[Any]:
+        """:meth:`_send` over the local channels; what is left to wait on.
+
+        torch's ``get_fwd_send_ops``/``get_bwd_send_ops`` build a ``P2POp`` per tensor,
+        with its checks and logging: 25-40 µs a send where it runs, between two
+        computations, on the critical path whenever the peer waits. A stage's first send
+        in each direction goes through them, and which of the values each op carried to
+        which process is kept; later sends write those values directly (the same bytes,
+        in the same order), unless one of them is not a plain tensor this time.
+        """
+        values = stage.fwd_cache[chunk][0] if forward else stage.bwd_cache.get(chunk, ())
+        key = (forward, stage.stage_index)
+        route = self.routes.get(key)
+        if route and all(i < len(values) and type(values[i]) is torch.Tensor for i, _ in route):
+            if not forward:
+                del stage.bwd_cache[chunk]  # consumed, as torch's get_bwd_send_ops does
+            channels = self.channels.channels
+            written = (channels[peer].send(values[i]) for i, peer in route)
+            return [backlog for backlog in written if backlog is not None]
+        ops = stage.get_fwd_send_ops(chunk) if forward else stage.get_bwd_send_ops(chunk)
+        if key not in self.routes:
+            self.routes[key] = _route(values, ops)
+        return list(self.post(ops))
 
     def _wait(self, key: tuple[str, int, int]) -> None:
         if key not in self.receives:
@@ -195,3 +231,22 @@ class _Step:
         stage.backward_one_chunk(chunk, loss=loss, full_backward=full, last_backward=last)
         if index - 1 in self.stages and stage.has_backward:  # the previous stage runs here
             self.stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(chunk), chunk)
+
+
+def _route(values: Any, ops: list[Any]) -> list[tuple[int, int]]:
+    """(position in ``values``, peer) of each of torch's send ``ops`` for a stage's outputs
+    or input gradients, in order: each op's tensor is a value or a detached view of all of
+    it. Empty (torch's ops are used every time) where that cannot be told: an op that
+    carries anything else (a zero gradient made for a missing one, a DTensor's local
+    part), or values that share memory."""
+    plain = [i for i, value in enumerate(values) if type(value) is torch.Tensor]
+    where = {values[i].data_ptr(): i for i in plain}
+    if len(where) != len(plain):
+        return []
+    route = []
+    for op in ops:
+        i = where.get(op.tensor.data_ptr())
+        if i is None or op.tensor.shape != values[i].shape or op.tensor.dtype != values[i].dtype:
+            return []
+        route.append((i, op.peer))
+    return route

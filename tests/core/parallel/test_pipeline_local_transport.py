@@ -49,6 +49,8 @@ def _train(name: str, early: bool) -> dict[str, Any]:
     loss = runtime.train((x,), y, F.mse_loss, lambda loss: loss)
     return {
         "local": runtime.channels is not None,
+        # Which value each stage's sends carry, and to whom: learned from torch's first ops.
+        "routes": dict(getattr(runtime.schedule._step_microbatches, "routes", {})),
         "loss": loss,
         "gradients": [p.grad.clone() for p in parameters],
     }
@@ -61,6 +63,7 @@ def _large_sends_and_fallback() -> dict[str, Any]:
         reference, local = _train(name, early=False), _train(name, early=True)
         results[name] = {
             "local": local["local"],
+            "routes": local["routes"],
             "same": torch.equal(reference["loss"], local["loss"])
             and all(
                 torch.equal(a, b)
@@ -82,10 +85,22 @@ def _large_sends_and_fallback() -> dict[str, Any]:
     return results
 
 
+# (forward?, stage) -> [(position of the output or input gradient, peer)], per rank: every
+# send after a stage's first is written straight from its outputs or gradients.
+ROUTES = {
+    "1f1b": [{(True, 0): [(0, 1)]}, {(False, 1): [(0, 0)]}],
+    "interleaved_1f1b": [
+        {(True, 0): [(0, 1)], (True, 2): [(0, 1)], (False, 2): [(0, 1)]},
+        {(True, 1): [(0, 0)], (False, 1): [(0, 0)], (False, 3): [(0, 0)]},
+    ],
+}
+
+
 def test_sends_larger_than_the_socket_and_a_process_elsewhere():
     for rank, results in enumerate(run_distributed(_large_sends_and_fallback, timeout=240)):
         for name in ("1f1b", "interleaved_1f1b"):
-            assert results[name] == {"local": True, "same": True}, (rank, name)
+            expected = {"local": True, "routes": ROUTES[name][rank], "same": True}
+            assert results[name] == expected, (rank, name)
         assert results["elsewhere"] == {"local": False, "same": True}, rank
 
 
@@ -130,3 +145,25 @@ def test_messages_that_do_not_line_up_fail_loudly():
     assert errors["received"] == "[0.0, 1.0, 2.0, 3.0]"
     assert "16 bytes arrived for a 32-byte receive" in errors["mismatch"]
     assert "contiguous CPU tensors" in errors["strided"]
+
+
+def test_a_send_route_is_kept_only_where_each_op_carries_a_whole_value():
+    from types import SimpleNamespace
+
+    from slipstream.parallel.pipeline.runner import _route
+
+    a, b = torch.zeros(2, 3), torch.ones(4)
+
+    def op(tensor: torch.Tensor, peer: int) -> Any:
+        return SimpleNamespace(tensor=tensor, peer=peer)
+
+    # A value sent to two processes, one not sent, a None gradient: kept, in torch's order.
+    assert _route((a, None, b), [op(b.detach(), 3), op(a, 1), op(a.detach(), 2)]) == [
+        (2, 3),
+        (0, 1),
+        (0, 2),
+    ]
+    # A zero gradient torch made for a missing one, part of a value, values sharing memory.
+    assert _route((None, b), [op(torch.zeros(4), 1)]) == []
+    assert _route((a,), [op(a[0], 1)]) == []
+    assert _route((a, a.view(6)), [op(a, 1)]) == []
