@@ -210,16 +210,23 @@ class LocalChannels:
         what to wait on."""
         works: list[Any] = []
         for op in ops:
-            channel = self.channels[op.peer]
-            if op.op is dist.irecv:
-                receive = _Receive(channel, op.tensor)
-                channel.pending.append(receive)
-                works.append(receive)
-            else:
-                backlog = channel.send(op.tensor)
-                if backlog is not None:
-                    works.append(backlog)
+            work = (self.receive if op.op is dist.irecv else self.send)(op.peer, op.tensor)
+            if work is not None:
+                works.append(work)
         return works
+
+    def send(self, peer: int, tensor: torch.Tensor) -> _Backlog | None:
+        """Write ``tensor`` to global rank ``peer`` now, without blocking; what is left to
+        wait on (None: all written)."""
+        return self.channels[peer].send(tensor)
+
+    def receive(self, peer: int, tensor: torch.Tensor) -> _Receive:
+        """Post a receive into ``tensor`` from global rank ``peer`` (read when waited on,
+        after the peer's earlier messages)."""
+        channel = self.channels[peer]
+        receive = _Receive(channel, tensor)
+        channel.pending.append(receive)
+        return receive
 
     def check_drained(self) -> None:
         """Raise if a receive of an earlier step is still unread (that step stopped part

@@ -197,8 +197,7 @@ class _Step:
         if route and all(i < len(values) and type(values[i]) is torch.Tensor for i, _ in route):
             if not forward:
                 del stage.bwd_cache[chunk]  # consumed, as torch's get_bwd_send_ops does
-            channels = self.channels.channels
-            written = (channels[peer].send(values[i]) for i, peer in route)
+            written = (self.channels.send(peer, values[i]) for i, peer in route)
             return [backlog for backlog in written if backlog is not None]
         ops = stage.get_fwd_send_ops(chunk) if forward else stage.get_bwd_send_ops(chunk)
         if key not in self.routes:
