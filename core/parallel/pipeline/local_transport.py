@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 _HEADER = struct.Struct("<q")
+_CLOSED = "the peer pipeline stage closed its connection (its process ended)"
 
 #: Channels per pipeline group (and the process that connected them: a forked child has
 #: none): connected once, used by every schedule built on the group since; dropped, and
@@ -60,7 +61,7 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
         )
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
-        return memoryview(b"")
+        return memoryview(bytearray())  # (writable: a receive reads into it)
     # A view of the tensor's memory (the caller keeps the tensor alive while it is used).
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
@@ -69,9 +70,7 @@ def _read_exactly(sock: socket.socket, view: memoryview) -> None:
     while view.nbytes:
         count = sock.recv_into(view)
         if count == 0:
-            raise ConnectionError(
-                "the peer pipeline stage closed its connection (its process ended)"
-            )
+            raise ConnectionError(_CLOSED)
         view = view[count:]
 
 
@@ -84,16 +83,22 @@ class _Receive:
         self.channel, self.tensor, self.done = channel, tensor, False
 
     def read(self) -> None:
-        header = bytearray(_HEADER.size)
-        _read_exactly(self.channel.sock, memoryview(header))
+        sock, header, view = self.channel.sock, bytearray(_HEADER.size), _byte_view(self.tensor)
+        # Header and data in one call when both are there (as a rule, by the time of the
+        # wait); the length is checked before reading on, so a message of another size
+        # fails here rather than waiting for bytes that never come.
+        count = sock.recvmsg_into([header, view])[0]
+        if count == 0:
+            raise ConnectionError(_CLOSED)
+        if count < _HEADER.size:
+            _read_exactly(sock, memoryview(header)[count:])
         (length,) = _HEADER.unpack(header)
-        view = _byte_view(self.tensor)
         if length != view.nbytes:
             raise RuntimeError(
                 f"a pipeline transfer of {length} bytes arrived for a {view.nbytes}-byte "
                 "receive: the stages disagree on the order or shapes of their messages"
             )
-        _read_exactly(self.channel.sock, view)
+        _read_exactly(sock, view[max(0, count - _HEADER.size) :])
         self.done = True
 
     def wait(self, timeout: Any = None) -> bool:

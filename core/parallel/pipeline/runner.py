@@ -26,9 +26,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -57,6 +57,9 @@ class ActionRunner:
         #: Over the channels: which of a stage's outputs (or input gradients) each of its
         #: sends carries, and to which process (see _Step._write), learned on its first.
         self.routes: dict[tuple[bool, int], list[tuple[int, int]]] = {}
+        # This process's actions as calls, made once (see _compile), and what they came from.
+        self._calls: list[tuple[Any, Callable[..., None], Any, int]] = []
+        self._compiled_from: Any = None
 
     @staticmethod
     def applies_to(schedule: Any) -> bool:
@@ -92,14 +95,15 @@ class ActionRunner:
             schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs, self.channels,
             self.routes,
         )  # fmt: skip
-        for action in schedule.pipeline_order_with_comms[schedule.rank]:
-            label = (
-                torch.profiler.record_function(f"PP:{action}")
-                if profiler._is_profiler_enabled
-                else contextlib.nullcontext()
-            )
-            with label:
-                step.run(action)
+        actions = schedule.pipeline_order_with_comms[schedule.rank]
+        if actions is not self._compiled_from:
+            self._calls, self._compiled_from = _compile(actions, schedule._stages), actions
+        for action, call, stage, chunk in self._calls:
+            if profiler._is_profiler_enabled:
+                with torch.profiler.record_function(f"PP:{action}"):
+                    call(step, stage, chunk)
+            else:
+                call(step, stage, chunk)
         # Long done, as a rule; waited on so that no buffer is reused while it is sent.
         step.helpers._wait_batch_p2p(
             step.backlogs + [work for posted in step.sends for work in posted.result()]
@@ -123,7 +127,6 @@ class _Step:
     ) -> None:
         from torch.distributed.pipelining import schedules
 
-        self.kinds = schedules._ComputationType
         # Over local sockets (local_transport.py) sends are written by this thread; over
         # gloo they are handed to the sender thread.
         self.local = channels is not None
@@ -140,37 +143,32 @@ class _Step:
         self.sender = _sending_thread()
         self.backwards: Counter[int] = Counter()
 
-    def run(self, action: Any) -> None:
-        Kind, _batch_p2p = self.kinds, self.post
-        kind, index, chunk = action.computation_type, action.stage_index, action.microbatch_index
-        if kind == Kind.OVERLAP_F_B:
-            for sub_action in action.sub_actions:
-                self.run(sub_action)
-            return
-        if kind in (Kind.UNSHARD, Kind.RESHARD):  # nothing to do without FSDP
-            return
-        stage = self.stages[index]
-        if kind == Kind.REDUCE_GRAD:
-            scale = self.schedule._n_microbatches if self.schedule.scale_grads else 1
-            stage.perform_reduce_grad(scale)
-        elif kind == Kind.RECV_F:
-            self.receives["F", index, chunk] = _batch_p2p(stage.get_fwd_recv_ops(chunk))
-        elif kind == Kind.RECV_B:
-            self.receives["B", index, chunk] = _batch_p2p(stage.get_bwd_recv_ops(chunk))
-        elif kind == Kind.SEND_F:
-            self._send(stage, True, chunk)
-        elif kind == Kind.SEND_B:
-            self._send(stage, False, chunk)
-        elif kind == Kind.FORWARD:
-            self._forward(stage, index, chunk)
-        elif kind in (Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT):
-            self._backward(stage, index, chunk, full=kind == Kind.FULL_BACKWARD)
-        elif kind == Kind.BACKWARD_WEIGHT:
-            self.backwards[index] += 1
-            last = self.backwards[index] == self.schedule._n_microbatches
-            stage.backward_weight_one_chunk(chunk, last_backward=last)
-        else:
-            raise ValueError(f"the pipeline runner cannot run action {action}")
+    def reduce_grad(self, stage: Any, chunk: int) -> None:
+        stage.perform_reduce_grad(self.schedule._n_microbatches if self.schedule.scale_grads else 1)
+
+    def receive_forward(self, stage: Any, chunk: int) -> None:
+        self.receives["F", stage.stage_index, chunk] = self.post(stage.get_fwd_recv_ops(chunk))
+
+    def receive_backward(self, stage: Any, chunk: int) -> None:
+        self.receives["B", stage.stage_index, chunk] = self.post(stage.get_bwd_recv_ops(chunk))
+
+    def send_forward(self, stage: Any, chunk: int) -> None:
+        self._send(stage, True, chunk)
+
+    def send_backward(self, stage: Any, chunk: int) -> None:
+        self._send(stage, False, chunk)
+
+    def full_backward(self, stage: Any, chunk: int) -> None:
+        self._backward(stage, stage.stage_index, chunk, full=True)
+
+    def backward_input(self, stage: Any, chunk: int) -> None:
+        self._backward(stage, stage.stage_index, chunk, full=False)
+
+    def backward_weight(self, stage: Any, chunk: int) -> None:
+        index = stage.stage_index
+        self.backwards[index] += 1
+        last = self.backwards[index] == self.schedule._n_microbatches
+        stage.backward_weight_one_chunk(chunk, last_backward=last)
 
     def _send(self, stage: Any, forward: bool, chunk: int) -> None:
         """Send ``chunk``'s outputs (``forward``) or input gradients to the stages that
@@ -209,6 +207,9 @@ class _Step:
             raise RuntimeError(f"pipeline action {key} runs before its receive was posted")
         self.helpers._wait_batch_p2p(self.receives.pop(key))
 
+    def forward(self, stage: Any, chunk: int) -> None:
+        self._forward(stage, stage.stage_index, chunk)
+
     def _forward(self, stage: Any, index: int, chunk: int) -> None:
         if not stage.is_first and index - 1 not in self.stages:
             self._wait(("F", index, chunk))
@@ -230,6 +231,41 @@ class _Step:
         stage.backward_one_chunk(chunk, loss=loss, full_backward=full, last_backward=last)
         if index - 1 in self.stages and stage.has_backward:  # the previous stage runs here
             self.stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(chunk), chunk)
+
+
+def _compile(
+    actions: list[Any], stages: list[Any]
+) -> list[tuple[Any, Callable[..., None], Any, int]]:
+    """(action, ``_Step`` method, stage, micro-batch) for each action to run, in order:
+    looked up once, not per action and step (between two computations, where every
+    microsecond of Python is idle time). Overlapped forward-backward pairs run as their
+    two actions; ``UNSHARD``/``RESHARD`` do nothing without FSDP."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    methods: dict[Any, Callable[..., None]] = {
+        Kind.FORWARD: _Step.forward,
+        Kind.FULL_BACKWARD: _Step.full_backward,
+        Kind.BACKWARD_INPUT: _Step.backward_input,
+        Kind.BACKWARD_WEIGHT: _Step.backward_weight,
+        Kind.SEND_F: _Step.send_forward,
+        Kind.SEND_B: _Step.send_backward,
+        Kind.RECV_F: _Step.receive_forward,
+        Kind.RECV_B: _Step.receive_backward,
+        Kind.REDUCE_GRAD: _Step.reduce_grad,
+    }
+    by_index = {stage.stage_index: stage for stage in stages}
+    calls: list[tuple[Any, Callable[..., None], Any, int]] = []
+    for action in actions:
+        kind = action.computation_type
+        if kind == Kind.OVERLAP_F_B:
+            calls += _compile(action.sub_actions, stages)
+        elif kind not in (Kind.UNSHARD, Kind.RESHARD):
+            if kind not in methods:
+                raise ValueError(f"the pipeline runner cannot run action {action}")
+            calls.append(
+                (action, methods[kind], by_index[action.stage_index], action.microbatch_index)
+            )
+    return calls
 
 
 def _route(values: Any, ops: list[Any]) -> list[tuple[int, int]]:

@@ -167,3 +167,22 @@ def test_a_send_route_is_kept_only_where_each_op_carries_a_whole_value():
     assert _route((None, b), [op(torch.zeros(4), 1)]) == []
     assert _route((a,), [op(a[0], 1)]) == []
     assert _route((a, a.view(6)), [op(a, 1)]) == []
+
+
+def test_tensors_of_every_size_arrive_whole_and_in_order():
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender = local_transport.LocalChannels({1: local_transport._Channel(ours, 1)})
+    receiver = local_transport.LocalChannels({0: local_transport._Channel(theirs, 0)})
+    tensors = [torch.empty(0), torch.arange(5.0), torch.empty(0, 3), torch.randn(3, 1 << 12)]
+    buffers = [torch.full_like(tensor, -1) for tensor in tensors]
+    works = [receiver.receive(0, buffer) for buffer in buffers]
+    backlogs = [sender.send(1, tensor) for tensor in tensors]
+    works[-1].wait()  # reads the earlier messages first
+    for backlog in backlogs:
+        if backlog is not None:
+            backlog.wait()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, buffers, strict=True))
+    ours.close()
+    theirs.close()
