@@ -25,9 +25,15 @@ gradient its input gradient), with no time for communication:
 * **ideal here** — the same, with each action taking its measured median time: what is left
   when only the real costs are unequal (a backward takes about twice a forward, the first
   stage's backward computes no input gradient, the last stage adds the loss).
+* **its own steps** — the same again, step by step, with each action taking the time it
+  took in that step: the step's critical path runs through whichever instances were slow
+  (a micro-batch's action varies by 10-20% from step to step on the CPUs measured), which
+  medians smooth away, so "ideal here" is a little below what any runtime could reach with
+  those compute times. Printed as the median over steps of the step's idle fraction less
+  its own ideal.
 
 What the measured idle fraction holds beyond "ideal here" is what the pipeline machinery
-adds. Part of the idle time is **waiting on other stages**: blocked in the schedule's
+adds (beyond "its own steps", with the actions' variation taken out). Part of the idle time is **waiting on other stages**: blocked in the schedule's
 point-to-point waits before the process's last action, and everything after that action
 (the loss handed to every process, the closing barrier) — the bubble itself, transfer
 latency and the other stages' delays. The rest is the process's own time between actions:
@@ -204,7 +210,7 @@ def _dependencies(kind: str, stage: int, chunk: int, stages: int) -> list[tuple[
 
 
 def simulate(
-    orders: list[list[tuple[str, int, int]]], cost: Callable[[str, int], float], stages: int
+    orders: list[list[tuple[str, int, int]]], cost: Callable[[str, int, int], float], stages: int
 ) -> float:
     """Idle fraction of running each process's actions in their recorded order, each
     starting as soon as its process is free and its dependencies are done (no transfer
@@ -223,8 +229,8 @@ def simulate(
                 if any(need not in finished for need in needs):
                     break
                 start = max([clock[rank]] + [finished[need] for need in needs])
-                clock[rank] = start + cost(kind, stage)
-                busy[rank] += cost(kind, stage)
+                clock[rank] = start + cost(kind, stage, chunk)
+                busy[rank] += cost(kind, stage, chunk)
                 finished[kind, stage, chunk] = clock[rank]
                 if kind in ("B", "I"):  # the input gradient the previous stage waits for
                     finished["G", stage, chunk] = clock[rank]
@@ -338,8 +344,8 @@ def worker(
     keys = list(runs)
     # Per run and timed step: (step seconds, busy seconds, busy CPU seconds, waiting).
     steps: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {k: [] for k in keys}
-    actions: dict[tuple[str, str], list[Action]] = {k: [] for k in keys}
-    orders: dict[tuple[str, str], list[tuple[str, int, int]]] = {}
+    # Per run: each timed step's actions, as they ran.
+    actions: dict[tuple[str, str], list[list[Action]]] = {k: [] for k in keys}
     for round_index in range(rounds):
         # Rotated each round, so that no variant always runs first (or after another).
         shift = round_index % len(keys)
@@ -363,15 +369,14 @@ def worker(
                 busy = sum(wall for *_, wall, _ in recorder.actions)
                 cpu = sum(cpu for *_, cpu in recorder.actions)
                 steps[key].append((end - start, busy, cpu, recorder.waiting(end)))
-                actions[key] += recorder.actions
-                orders[key] = _order(recorder.actions)
+                actions[key].append(recorder.actions)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.gather_object((steps, actions, orders), gathered if dist.get_rank() == 0 else None)
+    dist.gather_object((steps, actions), gathered if dist.get_rank() == 0 else None)
     if dist.get_rank() == 0:
         for key in keys:
             per_rank = runs[key][3].plan.stages_per_rank
             result = _summary(key[0], pp, microbatches, per_rank, [g[0][key] for g in gathered],
-                              [g[1][key] for g in gathered], [g[2][key] for g in gathered])  # fmt: skip
+                              [g[1][key] for g in gathered])  # fmt: skip
             workers.report({**result, "variant": key[1]})
     dist.destroy_process_group()
 
@@ -382,10 +387,10 @@ def _summary(
     microbatches: int,
     per_rank: int,
     steps: list[list[tuple[float, float, float, float]]],
-    actions: list[list[Action]],
-    orders: list[list[tuple[str, int, int]]],
+    actions: list[list[list[Action]]],
 ) -> dict[str, Any]:
-    """One schedule's figures from every process's records."""
+    """One schedule's figures from every process's records (``actions``: per process, each
+    timed step's)."""
     count = len(steps[0])
     # Per step: the processes' mean idle share of the step (their steps have one length).
     idle = [statistics.fmean(1 - rank[i][1] / rank[i][0] for rank in steps) for i in range(count)]
@@ -397,15 +402,29 @@ def _summary(
     # The measured median time of each (kind, stage); the loss is part of the forward.
     durations: dict[tuple[str, int], list[float]] = {}
     for rank in actions:
-        for kind, stage, _, _, wall, _ in rank:
-            durations.setdefault((kind, stage), []).append(wall)
+        for step in rank:
+            for kind, stage, _, _, wall, _ in step:
+                durations.setdefault((kind, stage), []).append(wall)
     median = {key: statistics.median(values) for key, values in durations.items()}
 
-    def measured(kind: str, stage: int) -> float:
+    def measured(kind: str, stage: int, chunk: int) -> float:
         extra = median.get(("L", stage), 0.0) if kind == "F" else 0.0
         return median[kind, stage] + extra
 
     stages = pp * per_rank
+    orders = [_order(rank[-1]) for rank in actions]
+    # Step by step, each action with the time it took in that step ("its own steps").
+    own_ideal = []
+    for i in range(count):
+        took = {
+            (kind, stage, chunk): wall for rank in actions for kind, stage, chunk, _, wall, _ in rank[i]
+        }  # fmt: skip
+
+        def in_this_step(kind: str, stage: int, chunk: int, took: Any = took) -> float:
+            extra = took.get(("L", stage, chunk), 0.0) if kind == "F" else 0.0
+            return float(took[kind, stage, chunk] + extra)
+
+        own_ideal.append(simulate([_order(rank[i]) for rank in actions], in_this_step, stages))
     return {
         "schedule": schedule,
         "pp": pp,
@@ -417,9 +436,11 @@ def _summary(
         "idle_range": (min(idle), max(idle)),
         "waiting": statistics.median(waiting),
         "stretch": stretch,
-        "theory": simulate(orders, lambda kind, stage: UNIT_COST[kind], stages),
+        "theory": simulate(orders, lambda kind, stage, chunk: UNIT_COST[kind], stages),
         "closed_form": closed_form(schedule, pp, microbatches, per_rank),
         "ideal_here": simulate(orders, measured, stages),
+        "own_steps_ideal": statistics.median(own_ideal),
+        "over_own_steps": statistics.median(a - b for a, b in zip(idle, own_ideal, strict=True)),
         "forward_ms": 1e3 * statistics.median(v for (k, _), v in median.items() if k == "F"),
     }
 
@@ -473,8 +494,10 @@ def _print(result: dict[str, Any]) -> None:
     ratio = (1 - result["theory"]) / (1 - result["idle"])
     print(
         f"{label:42s} idle {result['idle']:.3f} ({low:.3f}-{high:.3f}), "
-        f"{result['idle'] - result['ideal_here']:+.3f} over ideal here; theory "
-        f"{result['theory']:.3f}{formula}, ideal here {result['ideal_here']:.3f}; waiting on "
+        f"{result['idle'] - result['ideal_here']:+.3f} over ideal here "
+        f"({result['over_own_steps']:+.3f} over its own steps'); theory "
+        f"{result['theory']:.3f}{formula}, ideal here {result['ideal_here']:.3f} "
+        f"(its own steps {result['own_steps_ideal']:.3f}); waiting on "
         f"other stages {result['waiting']:.3f}; stretch {result['stretch']:.2f}; "
         f"{result['step_ms']:.1f} ms steps, forward {result['forward_ms']:.2f} ms, "
         f"{result['steps']} steps; step vs theory's for the same compute: ratio {ratio:.2f}x"

@@ -147,5 +147,5 @@ def test_bubble_simulation_matches_the_closed_form(monkeypatch, stages, microbat
     for orders in (gpipe, one_f_one_b):
         for backward in (1.0, 2.0, 3.0):
             costs = {"F": 1.0, "B": backward}
-            idle = bubble.simulate(orders, lambda kind, stage, c=costs: c[kind], stages)
+            idle = bubble.simulate(orders, lambda kind, stage, chunk, c=costs: c[kind], stages)
             assert idle == pytest.approx(expected)
