@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,7 +208,7 @@ class PipelineRuntime:
         self._check_batch(inputs)
         self._loss_fn, self._scale, self._reported = loss_fn, scale, []
         # The last stage's outputs are not kept (nor joined into one) where torch allows.
-        options = {"return_outputs": False} if _STEP_TAKES_RETURN_OUTPUTS else {}
+        options = {"return_outputs": False} if _step_takes_return_outputs() else {}
         self.schedule.step(*inputs, target=target, **options)
         return self._agreed_loss(inputs)
 
@@ -298,13 +299,11 @@ class PipelineRuntime:
         return tensor
 
 
+@functools.cache
 def _step_takes_return_outputs() -> bool:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     return "return_outputs" in inspect.signature(_PipelineSchedule.step).parameters
-
-
-_STEP_TAKES_RETURN_OUTPUTS = _step_takes_return_outputs()
 
 
 class _SplitPlainTensors:
