@@ -85,8 +85,9 @@ class _Receive:
     def read(self) -> None:
         sock, header, view = self.channel.sock, bytearray(_HEADER.size), _byte_view(self.tensor)
         # Header and data in one call when both are there (as a rule, by the time of the
-        # wait); the length is checked before reading on, so a message of another size
-        # fails here rather than waiting for bytes that never come.
+        # wait). A message of another size fails here, before any further read, rather than
+        # waiting for bytes that never come (what this call took may include the next
+        # message's bytes: the stream no longer lines up either way).
         count = sock.recvmsg_into([header, view])[0]
         if count == 0:
             raise ConnectionError(_CLOSED)

@@ -54,9 +54,10 @@ class ActionRunner:
         #: The pipeline group's Unix-socket channels (local_transport.py), when its
         #: ``PipelineRuntime`` found every process on this machine; gloo otherwise.
         self.channels: Any = None
-        #: Over the channels: which of a stage's outputs (or input gradients) each of its
-        #: sends carries, and to which process (see _Step._write), learned on its first.
-        self.routes: dict[tuple[bool, int], list[tuple[int, int]]] = {}
+        #: Over the channels: how many outputs (or input gradients) a stage has, and which
+        #: of them each of its sends carries to which process (see _Step._write), learned
+        #: on its first send.
+        self.routes: dict[tuple[bool, int], tuple[int, list[tuple[int, int]]]] = {}
         # This process's actions as calls, made once (see _compile), and what they came from.
         self._calls: list[tuple[Any, Callable[..., None], Any, int]] = []
         self._compiled_from: Any = None
@@ -123,7 +124,7 @@ class _Step:
         return_outputs: bool,
         loss_kwargs: dict[str, Any] | None,
         channels: Any,
-        routes: dict[tuple[bool, int], list[tuple[int, int]]],
+        routes: dict[tuple[bool, int], tuple[int, list[tuple[int, int]]]],
     ) -> None:
         from torch.distributed.pipelining import schedules
 
@@ -191,15 +192,19 @@ class _Step:
         """
         values = stage.fwd_cache[chunk][0] if forward else stage.bwd_cache.get(chunk, ())
         key = (forward, stage.stage_index)
-        route = self.routes.get(key)
-        if route and all(i < len(values) and type(values[i]) is torch.Tensor for i, _ in route):
+        count, route = self.routes.get(key, (0, []))
+        if (
+            route
+            and len(values) == count
+            and all(type(values[i]) is torch.Tensor for i, _ in route)
+        ):
             if not forward:
                 del stage.bwd_cache[chunk]  # consumed, as torch's get_bwd_send_ops does
             written = (self.channels.send(peer, values[i]) for i, peer in route)
             return [backlog for backlog in written if backlog is not None]
         ops = stage.get_fwd_send_ops(chunk) if forward else stage.get_bwd_send_ops(chunk)
-        if key not in self.routes:
-            self.routes[key] = _route(values, ops)
+        if ops and key not in self.routes:  # (none: e.g. a forward-only step's, learned later)
+            self.routes[key] = (len(values), _route(values, ops))
         return list(self.post(ops))
 
     def _wait(self, key: tuple[str, int, int]) -> None:
@@ -238,8 +243,8 @@ def _compile(
 ) -> list[tuple[Any, Callable[..., None], Any, int]]:
     """(action, ``_Step`` method, stage, micro-batch) for each action to run, in order:
     looked up once, not per action and step (between two computations, where every
-    microsecond of Python is idle time). Overlapped forward-backward pairs run as their
-    two actions; ``UNSHARD``/``RESHARD`` do nothing without FSDP."""
+    microsecond of Python is idle time). An overlapped forward-backward pair runs its two
+    actions' calls; ``UNSHARD``/``RESHARD`` do nothing without FSDP."""
     from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
     methods: dict[Any, Callable[..., None]] = {
@@ -257,8 +262,8 @@ def _compile(
     calls: list[tuple[Any, Callable[..., None], Any, int]] = []
     for action in actions:
         kind = action.computation_type
-        if kind == Kind.OVERLAP_F_B:
-            calls += _compile(action.sub_actions, stages)
+        if kind == Kind.OVERLAP_F_B:  # one call (and profiler range) running both
+            calls.append((action, _run_calls, _compile(action.sub_actions, stages), -1))
         elif kind not in (Kind.UNSHARD, Kind.RESHARD):
             if kind not in methods:
                 raise ValueError(f"the pipeline runner cannot run action {action}")
@@ -266,6 +271,11 @@ def _compile(
                 (action, methods[kind], by_index[action.stage_index], action.microbatch_index)
             )
     return calls
+
+
+def _run_calls(step: _Step, calls: list[tuple[Any, Callable[..., None], Any, int]], _: int) -> None:
+    for _action, call, stage, chunk in calls:
+        call(step, stage, chunk)
 
 
 def _route(values: Any, ops: list[Any]) -> list[tuple[int, int]]:

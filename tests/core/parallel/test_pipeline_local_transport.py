@@ -46,6 +46,8 @@ def _train(name: str, early: bool) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(MICROBATCHES, WIDTH, generator=generator)
     y = torch.randn(MICROBATCHES, WIDTH, generator=generator)
+    if early:  # a forward-only step first: its gradient sends send nothing, learn nothing
+        runtime.evaluate((x,))
     loss = runtime.train((x,), y, F.mse_loss, lambda loss: loss)
     return {
         "local": runtime.channels is not None,
@@ -85,13 +87,13 @@ def _large_sends_and_fallback() -> dict[str, Any]:
     return results
 
 
-# (forward?, stage) -> [(position of the output or input gradient, peer)], per rank: every
+# (forward?, stage) -> (outputs or input gradients, [(which one, peer)]), per rank: every
 # send after a stage's first is written straight from its outputs or gradients.
 ROUTES = {
-    "1f1b": [{(True, 0): [(0, 1)]}, {(False, 1): [(0, 0)]}],
+    "1f1b": [{(True, 0): (1, [(0, 1)])}, {(False, 1): (1, [(0, 0)])}],
     "interleaved_1f1b": [
-        {(True, 0): [(0, 1)], (True, 2): [(0, 1)], (False, 2): [(0, 1)]},
-        {(True, 1): [(0, 0)], (False, 1): [(0, 0)], (False, 3): [(0, 0)]},
+        {(True, 0): (1, [(0, 1)]), (True, 2): (1, [(0, 1)]), (False, 2): (1, [(0, 1)])},
+        {(True, 1): (1, [(0, 0)]), (False, 1): (1, [(0, 0)]), (False, 3): (1, [(0, 0)])},
     ],
 }
 
@@ -186,3 +188,29 @@ def test_tensors_of_every_size_arrive_whole_and_in_order():
     assert all(torch.equal(a, b) for a, b in zip(tensors, buffers, strict=True))
     ours.close()
     theirs.close()
+
+
+def test_actions_become_calls_once_with_torchs_labels():
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _Action
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    from slipstream.parallel.pipeline import runner
+
+    stages = [SimpleNamespace(stage_index=0), SimpleNamespace(stage_index=3)]
+    forward, backward = _Action(0, Kind.FORWARD, 1), _Action(3, Kind.FULL_BACKWARD, 0)
+    pair = _Action(0, Kind.OVERLAP_F_B, None, (forward, backward))
+    actions = [_Action(0, Kind.RECV_F, 1), _Action(0, Kind.UNSHARD, None), pair]
+    calls = runner._compile(actions, stages)
+    # One call per action a profiler labels (the overlapped pair as one, as torch labels
+    # it), nothing for UNSHARD without FSDP; the pair's call runs its two actions in order.
+    assert calls[0] == (actions[0], runner._Step.receive_forward, stages[0], 1)
+    assert [action for action, *_ in calls] == [actions[0], pair]
+    inner = calls[1][2]
+    assert [(a, call, stage, chunk) for a, call, stage, chunk in inner] == [
+        (forward, runner._Step.forward, stages[0], 1),
+        (backward, runner._Step.full_backward, stages[1], 0),
+    ]
+    with pytest.raises(ValueError, match="cannot run action"):
+        runner._compile([SimpleNamespace(computation_type="?", stage_index=0)], stages)
