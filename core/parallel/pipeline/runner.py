@@ -14,7 +14,11 @@ CPUs measured that write (which also wakes the receiver's threads) took 7-15% of
 when done between the actions; the computing thread now only hands the send over. Between
 processes of one machine the transfers go over Unix sockets instead (local_transport.py:
 the computing thread writes and reads them itself, with a writer thread per socket taking
-what the socket cannot take at once). Sends are waited on at the end of the step.
+what the socket cannot take at once; after a stage's first send in each direction, its
+outputs or input gradients are written without building torch's ``P2POp``s). Sends are
+waited on at the end of the step. Every microsecond of Python between two computations is
+idle time on the pipeline's critical path, so the actions become calls once per action
+list (``_compile``), not an if-chain per action and step.
 
 Stages wrapped in FSDP (``UNSHARD``/``RESHARD`` actions do real work) and schedules with
 custom action functions keep torch's runner.
