@@ -164,16 +164,19 @@ class _Step:
         self._send(stage, False, chunk)
 
     def full_backward(self, stage: Any, chunk: int) -> None:
-        self._backward(stage, stage.stage_index, chunk, full=True)
+        self._backward(stage, chunk, full=True)
 
     def backward_input(self, stage: Any, chunk: int) -> None:
-        self._backward(stage, stage.stage_index, chunk, full=False)
+        self._backward(stage, chunk, full=False)
 
     def backward_weight(self, stage: Any, chunk: int) -> None:
-        index = stage.stage_index
-        self.backwards[index] += 1
-        last = self.backwards[index] == self.schedule._n_microbatches
-        stage.backward_weight_one_chunk(chunk, last_backward=last)
+        stage.backward_weight_one_chunk(chunk, last_backward=self._last_backward(stage))
+
+    def _last_backward(self, stage: Any) -> bool:
+        """Count a backward that accumulates ``stage``'s weight gradients; whether it is
+        the step's last one."""
+        self.backwards[stage.stage_index] += 1
+        return self.backwards[stage.stage_index] == self.schedule._n_microbatches
 
     def _send(self, stage: Any, forward: bool, chunk: int) -> None:
         """Send ``chunk``'s outputs (``forward``) or input gradients to the stages that
@@ -181,8 +184,7 @@ class _Step:
         if self.local:  # written now, without blocking (the rest by the socket's writer)
             self.backlogs += self._write(stage, forward, chunk)
             return
-        ops = stage.get_fwd_send_ops(chunk) if forward else stage.get_bwd_send_ops(chunk)
-        self.sends.append(self.sender.submit(self.post, ops))
+        self.sends.append(self.sender.submit(self.post, _send_ops(stage, forward, chunk)))
 
     def _write(self, stage: Any, forward: bool, chunk: int) -> list[Any]:
         """:meth:`_send` over the local channels; what is left to wait on.
@@ -206,7 +208,7 @@ class _Step:
                 del stage.bwd_cache[chunk]  # consumed, as torch's get_bwd_send_ops does
             written = (self.channels.send(peer, values[i]) for i, peer in route)
             return [backlog for backlog in written if backlog is not None]
-        ops = stage.get_fwd_send_ops(chunk) if forward else stage.get_bwd_send_ops(chunk)
+        ops = _send_ops(stage, forward, chunk)
         if ops and key not in self.routes:  # (none: e.g. a forward-only step's, learned later)
             self.routes[key] = (len(values), _route(values, ops))
         return list(self.post(ops))
@@ -217,9 +219,7 @@ class _Step:
         self.helpers._wait_batch_p2p(self.receives.pop(key))
 
     def forward(self, stage: Any, chunk: int) -> None:
-        self._forward(stage, stage.stage_index, chunk)
-
-    def _forward(self, stage: Any, index: int, chunk: int) -> None:
+        index = stage.stage_index
         if not stage.is_first and index - 1 not in self.stages:
             self._wait(("F", index, chunk))
         output = stage.forward_one_chunk(
@@ -229,17 +229,20 @@ class _Step:
         if index + 1 in self.stages:  # the next stage runs here: handed over, not sent
             self.stages[index + 1].set_local_fwd_input(output, chunk)
 
-    def _backward(self, stage: Any, index: int, chunk: int, full: bool) -> None:
+    def _backward(self, stage: Any, chunk: int, full: bool) -> None:
+        index = stage.stage_index
         if not stage.is_last and index + 1 not in self.stages:
             self._wait(("B", index, chunk))
         loss = self.schedule._maybe_get_loss(stage, chunk)
-        last = False
-        if full:
-            self.backwards[index] += 1
-            last = self.backwards[index] == self.schedule._n_microbatches
+        last = self._last_backward(stage) if full else False
         stage.backward_one_chunk(chunk, loss=loss, full_backward=full, last_backward=last)
         if index - 1 in self.stages and stage.has_backward:  # the previous stage runs here
             self.stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(chunk), chunk)
+
+
+def _send_ops(stage: Any, forward: bool, chunk: int) -> list[Any]:
+    """torch's ``P2POp``s sending ``chunk``'s outputs (``forward``) or input gradients."""
+    return stage.get_fwd_send_ops(chunk) if forward else stage.get_bwd_send_ops(chunk)
 
 
 def _compile(

@@ -315,18 +315,19 @@ class _SplitPlainTensors:
     to torch's."""
 
     def __init__(self, schedule: Any, microbatches: int) -> None:
-        self.schedule, self.microbatches = schedule, microbatches
-        self.split = schedule._split_inputs  # torch's
-
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         from torch.distributed.pipelining import microbatch
 
+        self.schedule, self.microbatches = schedule, microbatches
+        self.split = schedule._split_inputs  # torch's
+        self.torch_microbatch = microbatch  # its debug switch is read when splitting
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         count = self.microbatches
         if (
             not args
             or kwargs
             or getattr(self.schedule, "_args_chunk_spec", None) is not None
-            or getattr(microbatch, "_debug_mask_minibatches", False)
+            or getattr(self.torch_microbatch, "_debug_mask_minibatches", False)
             or not all(
                 type(arg) is torch.Tensor
                 and arg.dim() > 0
