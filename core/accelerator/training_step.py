@@ -4,6 +4,7 @@ gradient clipping, routed through the strategy, the precision and the step state
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -103,22 +104,28 @@ class TrainingStepMixin:
         process gets the same value. Accumulation, loss scaling and callbacks apply as with
         :meth:`backward`.
         """
+        # Under pipeline parallelism this runs before every step's first forward, on the
+        # pipeline's critical path: no exception for a missing attribute, no import.
         positional: tuple[Any, ...] = args
-        if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+        if (
+            len(args) == 1
+            and not kwargs
+            and type(args[0]) is not torch.Tensor
+            and isinstance(args[0], Mapping)
+        ):
             positional, kwargs = (), dict(args[0])
-        from ..parallel.pipeline import model_loss, pipeline_inputs, pipeline_of
-
-        pipeline = pipeline_of(getattr(model, "_orig_mod", model))
+        unwrapped = _without_compile_wrapper(model)
+        pipeline = getattr(unwrapped, "__dict__", _NOTHING).get("_pipeline")
         if pipeline is None:
             outputs = model(*positional, **kwargs)
             loss = loss_fn(outputs, target) if loss_fn is not None else _loss_of(outputs)
             self.backward(loss)
             return loss.detach()
-        unwrapped = getattr(model, "_orig_mod", model)
-        inputs, labels = pipeline_inputs(str(unwrapped._pipeline_kind), positional, kwargs)
+        api = _pipeline_package()
+        inputs, labels = api.pipeline_inputs(str(unwrapped._pipeline_kind), positional, kwargs)
         target = labels if target is None else target
         if loss_fn is None:
-            loss_fn = model_loss(unwrapped)
+            loss_fn = api.model_loss(unwrapped)
         if self.coordinator.pending:
             self.coordinator.finish()
         hooks = self.callbacks.callbacks
@@ -245,3 +252,22 @@ def _loss_of(outputs: Any) -> torch.Tensor:
             "computes its loss"
         )
     return loss
+
+
+_NOTHING: dict[str, Any] = {}
+
+
+def _without_compile_wrapper(model: Any) -> Any:
+    """``model`` without torch.compile's wrapper, which holds it as its ``_orig_mod``
+    submodule (looked up there: a missing attribute of an ``nn.Module`` costs an exception)."""
+    modules = getattr(model, "_modules", None)
+    return modules.get("_orig_mod", model) if type(modules) is dict else model
+
+
+@functools.cache
+def _pipeline_package() -> Any:
+    """slipstream's pipeline package, imported on the first pipelined step (a ``from``
+    import of a package runs importlib's Python on every call)."""
+    from ..parallel import pipeline
+
+    return pipeline

@@ -120,7 +120,8 @@ def pipeline_inputs(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 def pipeline_of(model: nn.Module) -> PipelineRuntime | None:
     """The pipeline a prepared model runs, if it is split into stages."""
-    return getattr(model, "_pipeline", None)
+    # (read from the instance's own attributes: a missing one of an nn.Module raises)
+    return getattr(model, "__dict__", {}).get("_pipeline")
 
 
 def build_pipeline(

@@ -15,8 +15,10 @@ when done between the actions; the computing thread now only hands the send over
 processes of one machine the transfers go over Unix sockets instead (local_transport.py:
 the computing thread writes and reads them itself, with a writer thread per socket taking
 what the socket cannot take at once; after a stage's first send in each direction, its
-outputs or input gradients are written without building torch's ``P2POp``s). Sends are
-waited on at the end of the step. Every microsecond of Python between two computations is
+outputs or input gradients are written without building torch's ``P2POp``s, and after a
+micro-batch's first receive its buffers are posted the same way). Sends are waited on at
+the end of the step. A training step of positional tensors skips torch's generic ``step``
+(``ActionRunner.train``): the batch and target are split as torch splits them. Every microsecond of Python between two computations is
 idle time on the pipeline's critical path, so the actions become calls once per action
 list (``_compile``), not an if-chain per action and step.
 
@@ -30,13 +32,14 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.autograd import profiler
 
 _sender: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -62,6 +65,9 @@ class ActionRunner:
         #: of them each of its sends carries to which process (see _Step._write), learned
         #: on its first send.
         self.routes: dict[tuple[bool, int], tuple[int, list[tuple[int, int]]]] = {}
+        #: Over the channels: the receive buffers of a stage's micro-batch and the process
+        #: each comes from (see _Step._receive), learned on its first receive.
+        self.receive_routes: dict[tuple[bool, int, int], _ReceiveRoute] = {}
         # This process's actions as calls, made once (see _compile), and what they came from.
         self._calls: list[tuple[Any, Callable[..., None], Any, int]] = []
         self._compiled_from: Any = None
@@ -79,6 +85,35 @@ class ActionRunner:
             for module in stage.submod.modules()
         )
 
+    def train(self, args: tuple[Any, ...], target: Any) -> None:
+        """A training step of the whole batch: what torch's ``schedule.step(*args,
+        target=target, return_outputs=False)`` does, with a plain-tensor target split as
+        torch splits it (``tensor_split``) but without its generic per-step checks and
+        walks, which run before the first forward, on the pipeline's critical path."""
+        schedule = self.schedule
+        needs_grad = schedule._has_backward and getattr(
+            schedule, "_backward_requires_autograd", True
+        )  # fmt: skip
+        if needs_grad and not torch.is_grad_enabled():
+            raise RuntimeError(
+                "a pipeline training step needs gradients: it cannot run under "
+                "torch.no_grad() (evaluate with the model in eval mode instead)"
+            )
+        for stage in schedule._stages:
+            stage.has_backward = schedule._has_backward
+            stage.clear_runtime_states()
+        arg_mbs, kwarg_mbs = schedule._split_inputs(args, {})
+        count = schedule._n_microbatches
+        if target is None:
+            target_mbs = None
+        elif type(target) is torch.Tensor and target.dim() > 0 and target.shape[0] >= count:
+            target_mbs = list(torch.tensor_split(target, count))
+        else:
+            from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tensor
+
+            target_mbs = list(_split_tensor(target, TensorChunkSpec(0), count))
+        self(arg_mbs, kwarg_mbs, target_mbs, return_outputs=False)
+
     def __call__(
         self,
         arg_mbs: list[Any] | None = None,
@@ -88,18 +123,13 @@ class ActionRunner:
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        from torch.autograd import profiler
-
         schedule = self.schedule
         args, kwargs = schedule._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
         schedule._initialize_stages(args[0], kwargs[0], first_target, loss_kwargs)
         if self.channels is not None:
             self.channels.check_drained()
-        step = _Step(
-            schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs, self.channels,
-            self.routes,
-        )  # fmt: skip
+        step = _Step(schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs, self)
         actions = schedule.pipeline_order_with_comms[schedule.rank]
         if actions is not self._compiled_from:
             self._calls, self._compiled_from = _compile(actions, schedule._stages), actions
@@ -127,17 +157,18 @@ class _Step:
         targets: list[Any] | None,
         return_outputs: bool,
         loss_kwargs: dict[str, Any] | None,
-        channels: Any,
-        routes: dict[tuple[bool, int], tuple[int, list[tuple[int, int]]]],
+        runner: ActionRunner,
     ) -> None:
-        from torch.distributed.pipelining import schedules
-
         # Over local sockets (local_transport.py) sends are written by this thread; over
-        # gloo they are handed to the sender thread.
+        # gloo they are handed to the sender thread. (Built before every step's first
+        # action, on its critical path: only what changes per step is made here.)
+        channels = runner.channels
         self.local = channels is not None
-        self.channels, self.routes = channels, routes
-        self.post = channels.post if self.local else schedules._batch_p2p
-        self.helpers = schedules  # its _wait_batch_p2p, looked up when waiting
+        self.channels, self.routes, self.receive_routes = (
+            channels, runner.routes, runner.receive_routes
+        )  # fmt: skip
+        self.helpers = _schedules()  # torch's _batch_p2p and _wait_batch_p2p
+        self.post = channels.post if self.local else self.helpers._batch_p2p
         self.schedule = schedule
         self.stages = {stage.stage_index: stage for stage in schedule._stages}
         self.args, self.kwargs, self.targets = args, kwargs, targets
@@ -145,17 +176,16 @@ class _Step:
         self.receives: dict[tuple[str, int, int], list[Any]] = {}
         self.sends: list[Future[list[Any]]] = []  # over gloo, posted by the sender thread
         self.backlogs: list[Any] = []  # over the channels: what a socket did not take at once
-        self.sender = _sending_thread()
-        self.backwards: Counter[int] = Counter()
+        self.backwards: dict[int, int] = {}
 
     def reduce_grad(self, stage: Any, chunk: int) -> None:
         stage.perform_reduce_grad(self.schedule._n_microbatches if self.schedule.scale_grads else 1)
 
     def receive_forward(self, stage: Any, chunk: int) -> None:
-        self.receives["F", stage.stage_index, chunk] = self.post(stage.get_fwd_recv_ops(chunk))
+        self.receives["F", stage.stage_index, chunk] = self._receive(stage, True, chunk)
 
     def receive_backward(self, stage: Any, chunk: int) -> None:
-        self.receives["B", stage.stage_index, chunk] = self.post(stage.get_bwd_recv_ops(chunk))
+        self.receives["B", stage.stage_index, chunk] = self._receive(stage, False, chunk)
 
     def send_forward(self, stage: Any, chunk: int) -> None:
         self._send(stage, True, chunk)
@@ -175,8 +205,8 @@ class _Step:
     def _last_backward(self, stage: Any) -> bool:
         """Count a backward that accumulates ``stage``'s weight gradients; whether it is
         the step's last one."""
-        self.backwards[stage.stage_index] += 1
-        return self.backwards[stage.stage_index] == self.schedule._n_microbatches
+        count = self.backwards[stage.stage_index] = self.backwards.get(stage.stage_index, 0) + 1
+        return count == self.schedule._n_microbatches
 
     def _send(self, stage: Any, forward: bool, chunk: int) -> None:
         """Send ``chunk``'s outputs (``forward``) or input gradients to the stages that
@@ -184,7 +214,8 @@ class _Step:
         if self.local:  # written now, without blocking (the rest by the socket's writer)
             self.backlogs += self._write(stage, forward, chunk)
             return
-        self.sends.append(self.sender.submit(self.post, _send_ops(stage, forward, chunk)))
+        sender = _sending_thread()
+        self.sends.append(sender.submit(self.post, _send_ops(stage, forward, chunk)))
 
     def _write(self, stage: Any, forward: bool, chunk: int) -> list[Any]:
         """:meth:`_send` over the local channels; what is left to wait on.
@@ -213,6 +244,31 @@ class _Step:
             self.routes[key] = (len(values), _route(values, ops))
         return list(self.post(ops))
 
+    def _receive(self, stage: Any, forward: bool, chunk: int) -> list[Any]:
+        """Post the receives of ``chunk``'s inputs (``forward``) or output gradients; what
+        to wait on.
+
+        Over the local channels a posted receive is only a note of the buffer to read into
+        (local_transport.py), but torch's ``get_fwd_recv_ops``/``get_bwd_recv_ops`` build a
+        ``P2POp`` per buffer, resolving its peer's rank through the process group: with
+        every receive posted when the step starts, ~50 µs before the first forward on the
+        CPUs measured. A micro-batch's first receive goes through them and its buffers and
+        peers are kept; later steps post the same buffers directly while the stage still
+        holds them (torch makes new ones when it sets a stage up anew).
+        """
+        infos = (stage.args_recv_info if forward else stage.grad_recv_info).get(chunk)
+        key = (forward, stage.stage_index, chunk)
+        known = self.receive_routes.get(key)
+        if known is not None and self.local and known.matches(infos, stage.has_backward):
+            receive = self.channels.receive
+            return [receive(peer, buffer) for _, buffer, peer in known.buffers]
+        ops = stage.get_fwd_recv_ops(chunk) if forward else stage.get_bwd_recv_ops(chunk)
+        if self.local:
+            route = _ReceiveRoute.of(infos, stage.has_backward, ops)
+            if route is not None:
+                self.receive_routes[key] = route
+        return list(self.post(ops))
+
     def _wait(self, key: tuple[str, int, int]) -> None:
         if key not in self.receives:
             raise RuntimeError(f"pipeline action {key} runs before its receive was posted")
@@ -238,6 +294,53 @@ class _Step:
         stage.backward_one_chunk(chunk, loss=loss, full_backward=full, last_backward=last)
         if index - 1 in self.stages and stage.has_backward:  # the previous stage runs here
             self.stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(chunk), chunk)
+
+
+class _ReceiveRoute:
+    """A micro-batch's receive buffers (each with the ``_RecvInfo`` holding it) and the
+    global rank each is received from, as torch's receive ops named them."""
+
+    __slots__ = ("buffers", "has_backward", "infos")
+
+    def __init__(
+        self, infos: Any, has_backward: bool, buffers: list[tuple[Any, torch.Tensor, int]]
+    ) -> None:
+        self.infos, self.has_backward, self.buffers = infos, has_backward, buffers
+
+    @classmethod
+    def of(cls, infos: Any, has_backward: bool, ops: list[Any]) -> _ReceiveRoute | None:
+        """From torch's receive ``ops`` for the stage's ``infos``; None where an op's
+        buffer is not one the infos hold as a plain tensor (e.g. a DTensor's local part)."""
+        holders = {
+            id(info.buffer): info
+            for info in infos or ()
+            if type(getattr(info, "buffer", None)) is torch.Tensor
+        }
+        buffers = []
+        for op in ops:
+            info = holders.get(id(op.tensor))
+            if info is None:
+                return None
+            buffers.append((info, op.tensor, op.peer))
+        return cls(infos, has_backward, buffers)
+
+    def matches(self, infos: Any, has_backward: bool) -> bool:
+        """Whether the stage still receives into these buffers (the same infos object,
+        each holding the same buffer)."""
+        return (
+            infos is self.infos
+            and has_backward == self.has_backward
+            and all(info.buffer is buffer for info, buffer, _ in self.buffers)
+        )
+
+
+@functools.cache
+def _schedules() -> Any:
+    """torch's schedules module (imported once: a ``from`` import of a package's module
+    goes through importlib's Python on every call)."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules
 
 
 def _send_ops(stage: Any, forward: bool, chunk: int) -> list[Any]:

@@ -24,6 +24,22 @@ def test_compiled_model_trains_and_unwraps_to_the_original():
     assert acc.unwrap_model(model) is original
 
 
+def test_forward_backward_looks_through_the_compile_wrapper():
+    from slipstream.accelerator.training_step import _without_compile_wrapper
+
+    original = nn.Linear(3, 1)
+    compiled = torch.compile(original, backend="eager")
+    assert _without_compile_wrapper(compiled) is original
+    assert _without_compile_wrapper(original) is original
+    plain = object()  # (not a module: returned as it is)
+    assert _without_compile_wrapper(plain) is plain
+    acc = Accelerator()
+    loss = acc.forward_backward(
+        compiled, torch.ones(2, 3), target=torch.zeros(2, 1), loss_fn=nn.functional.mse_loss
+    )
+    assert loss.requires_grad is False and original.weight.grad is not None
+
+
 @torch._dynamo.register_backend
 def always_fails(graph_module, example_inputs):
     raise RuntimeError("this backend cannot compile anything")

@@ -48,13 +48,32 @@ def _train(name: str, early: bool) -> dict[str, Any]:
     y = torch.randn(MICROBATCHES, WIDTH, generator=generator)
     if early:  # a forward-only step first: its gradient sends send nothing, learn nothing
         runtime.evaluate((x,))
-    loss = runtime.train((x,), y, F.mse_loss, lambda loss: loss)
+    runner = runtime.schedule._step_microbatches
+    losses = [runtime.train((x,), y, F.mse_loss, lambda loss: loss)]
+    learned = dict(getattr(runner, "receive_routes", {}))
+    # A second step (gradients accumulate) posts the receives it learned; its target, not a
+    # plain tensor, is split by torch's own splitting.
+    target = nn.Parameter(2 * y, requires_grad=False)
+    losses.append(runtime.train((x,), target, F.mse_loss, lambda loss: loss))
+    no_grad = ""
+    with torch.no_grad():
+        try:
+            runtime.train((x,), y, F.mse_loss, lambda loss: loss)
+        except RuntimeError as error:
+            no_grad = str(error)
     return {
         "local": runtime.channels is not None,
         # Which value each stage's sends carry, and to whom: learned from torch's first ops.
-        "routes": dict(getattr(runtime.schedule._step_microbatches, "routes", {})),
-        "loss": loss,
+        "routes": dict(getattr(runner, "routes", {})),
+        # The peer of each receive buffer of each (forward?, stage, micro-batch), and
+        # whether the second step still found the same buffers.
+        "receive_routes": {
+            key: ([peer for _, _, peer in route.buffers], route is runner.receive_routes[key])
+            for key, route in learned.items()
+        },
+        "loss": torch.stack(losses),
         "gradients": [p.grad.clone() for p in parameters],
+        "no_grad": no_grad,
     }
 
 
@@ -66,6 +85,8 @@ def _large_sends_and_fallback() -> dict[str, Any]:
         results[name] = {
             "local": local["local"],
             "routes": local["routes"],
+            "receive_routes": local["receive_routes"],
+            "no_grad": "needs gradients" in local["no_grad"] and reference["no_grad"] != "",
             "same": torch.equal(reference["loss"], local["loss"])
             and all(
                 torch.equal(a, b)
@@ -98,10 +119,29 @@ ROUTES = {
 }
 
 
+def _receive_routes(name: str, rank: int) -> dict[tuple[bool, int, int], tuple[list[int], bool]]:
+    """Every receive of a micro-batch from the other process: (forward?, stage, micro-batch)
+    -> ([its peer], kept by the second step), from where each process's stages sit."""
+    plan = resolve_plan(2, name, MICROBATCHES, None)
+    routes = {}
+    for stage in plan.stages_of(rank):
+        for forward, neighbour in ((True, stage - 1), (False, stage + 1)):
+            if 0 <= neighbour < plan.num_stages and plan.rank_of(neighbour) != rank:
+                for chunk in range(MICROBATCHES):
+                    routes[forward, stage, chunk] = ([1 - rank], True)
+    return routes
+
+
 def test_sends_larger_than_the_socket_and_a_process_elsewhere():
     for rank, results in enumerate(run_distributed(_large_sends_and_fallback, timeout=240)):
         for name in ("1f1b", "interleaved_1f1b"):
-            expected = {"local": True, "routes": ROUTES[name][rank], "same": True}
+            expected = {
+                "local": True,
+                "routes": ROUTES[name][rank],
+                "receive_routes": _receive_routes(name, rank),
+                "no_grad": True,
+                "same": True,
+            }
             assert results[name] == expected, (rank, name)
         assert results["elsewhere"] == {"local": False, "same": True}, rank
 
@@ -169,6 +209,26 @@ def test_a_send_route_is_kept_only_where_each_op_carries_a_whole_value():
     assert _route((None, b), [op(torch.zeros(4), 1)]) == []
     assert _route((a,), [op(a[0], 1)]) == []
     assert _route((a, a.view(6)), [op(a, 1)]) == []
+
+
+def test_a_receive_route_is_kept_only_while_the_stage_holds_its_buffers():
+    from types import SimpleNamespace
+
+    from slipstream.parallel.pipeline.runner import _ReceiveRoute
+
+    a, b = torch.zeros(3), torch.zeros(2)
+    infos = (SimpleNamespace(buffer=None), SimpleNamespace(buffer=a), SimpleNamespace(buffer=b))
+    ops = [SimpleNamespace(tensor=b, peer=1), SimpleNamespace(tensor=a, peer=2)]
+    route = _ReceiveRoute.of(infos, True, ops)
+    assert route is not None
+    assert [(buffer, peer) for _, buffer, peer in route.buffers] == [(b, 1), (a, 2)]
+    assert route.matches(infos, True)
+    assert not route.matches(infos, False)  # torch posts no gradient receives then
+    assert not route.matches(tuple(list(infos)), True)  # set up anew: other infos
+    infos[1].buffer = torch.zeros(3)  # (a DTensor's local part is replaced, e.g.)
+    assert not route.matches(infos, True)
+    # An op into a tensor no info holds: torch's ops are used every time.
+    assert _ReceiveRoute.of(infos, True, [SimpleNamespace(tensor=torch.zeros(1), peer=1)]) is None
 
 
 def test_tensors_of_every_size_arrive_whole_and_in_order():
