@@ -115,13 +115,13 @@ class TrainingStepMixin:
         ):
             positional, kwargs = (), dict(args[0])
         unwrapped = _without_compile_wrapper(model)
-        pipeline = getattr(unwrapped, "__dict__", _NOTHING).get("_pipeline")
+        api = _pipeline_package()
+        pipeline = api.pipeline_of(unwrapped)
         if pipeline is None:
             outputs = model(*positional, **kwargs)
             loss = loss_fn(outputs, target) if loss_fn is not None else _loss_of(outputs)
             self.backward(loss)
             return loss.detach()
-        api = _pipeline_package()
         inputs, labels = api.pipeline_inputs(str(unwrapped._pipeline_kind), positional, kwargs)
         target = labels if target is None else target
         if loss_fn is None:
@@ -254,20 +254,17 @@ def _loss_of(outputs: Any) -> torch.Tensor:
     return loss
 
 
-_NOTHING: dict[str, Any] = {}
-
-
 def _without_compile_wrapper(model: Any) -> Any:
     """``model`` without torch.compile's wrapper, which holds it as its ``_orig_mod``
     submodule (looked up there: a missing attribute of an ``nn.Module`` costs an exception)."""
     modules = getattr(model, "_modules", None)
-    return modules.get("_orig_mod", model) if type(modules) is dict else model
+    return modules.get("_orig_mod", model) if isinstance(modules, dict) else model
 
 
 @functools.cache
 def _pipeline_package() -> Any:
-    """slipstream's pipeline package, imported on the first pipelined step (a ``from``
-    import of a package runs importlib's Python on every call)."""
+    """slipstream's pipeline package, imported on the first ``forward_backward`` (a
+    ``from`` import of a package runs importlib's Python on every call)."""
     from ..parallel import pipeline
 
     return pipeline

@@ -119,9 +119,12 @@ def pipeline_inputs(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 def pipeline_of(model: nn.Module) -> PipelineRuntime | None:
-    """The pipeline a prepared model runs, if it is split into stages."""
-    # (read from the instance's own attributes: a missing one of an nn.Module raises)
-    return getattr(model, "__dict__", {}).get("_pipeline")
+    """The pipeline a prepared model runs, if it is split into stages (also through a
+    wrapper that passes attributes on, such as torch.compile's)."""
+    # Read from the instance's own attributes first: every pipelined step asks, and a
+    # missing attribute of an nn.Module costs an exception.
+    pipeline = getattr(model, "__dict__", {}).get("_pipeline")
+    return pipeline if pipeline is not None else getattr(model, "_pipeline", None)
 
 
 def build_pipeline(

@@ -85,11 +85,26 @@ class ActionRunner:
             for module in stage.submod.modules()
         )
 
+    def splits(self, target: Any) -> bool:
+        """Whether :meth:`train` splits ``target`` as torch's ``step`` would: a plain
+        tensor (or none) that divides into the micro-batches; anything else goes to torch's
+        ``step``, whose splitting of other targets differs between torch versions."""
+        if target is None:
+            return True
+        return (
+            type(target) is torch.Tensor
+            and target.dim() > 0
+            and target.shape[0] >= self.schedule._n_microbatches
+            and not target.requires_grad
+            and not getattr(_microbatch(), "_debug_mask_minibatches", False)
+        )
+
     def train(self, args: tuple[Any, ...], target: Any) -> None:
         """A training step of the whole batch: what torch's ``schedule.step(*args,
-        target=target, return_outputs=False)`` does, with a plain-tensor target split as
-        torch splits it (``tensor_split``) but without its generic per-step checks and
-        walks, which run before the first forward, on the pipeline's critical path."""
+        target=target, return_outputs=False)`` does for a target :meth:`splits` takes (split
+        with ``tensor_split``, as torch does), without its generic per-step checks and walks,
+        which run before the first forward, on the pipeline's critical path. (Pinned to
+        torch's ``step`` by the pipeline tests, which compare the two bitwise.)"""
         schedule = self.schedule
         needs_grad = schedule._has_backward and getattr(
             schedule, "_backward_requires_autograd", True
@@ -104,14 +119,7 @@ class ActionRunner:
             stage.clear_runtime_states()
         arg_mbs, kwarg_mbs = schedule._split_inputs(args, {})
         count = schedule._n_microbatches
-        if target is None:
-            target_mbs = None
-        elif type(target) is torch.Tensor and target.dim() > 0 and target.shape[0] >= count:
-            target_mbs = list(torch.tensor_split(target, count))
-        else:
-            from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tensor
-
-            target_mbs = list(_split_tensor(target, TensorChunkSpec(0), count))
+        target_mbs = None if target is None else list(torch.tensor_split(target, count))
         self(arg_mbs, kwarg_mbs, target_mbs, return_outputs=False)
 
     def __call__(
@@ -300,17 +308,19 @@ class _ReceiveRoute:
     """A micro-batch's receive buffers (each with the ``_RecvInfo`` holding it) and the
     global rank each is received from, as torch's receive ops named them."""
 
-    __slots__ = ("buffers", "has_backward", "infos")
+    __slots__ = ("buffers", "has_backward", "held", "infos")
 
     def __init__(
         self, infos: Any, has_backward: bool, buffers: list[tuple[Any, torch.Tensor, int]]
     ) -> None:
         self.infos, self.has_backward, self.buffers = infos, has_backward, buffers
+        #: What every info held when learned (None too: torch posts nothing for those).
+        self.held = [getattr(info, "buffer", None) for info in infos or ()]
 
     @classmethod
     def of(cls, infos: Any, has_backward: bool, ops: list[Any]) -> _ReceiveRoute | None:
         """From torch's receive ``ops`` for the stage's ``infos``; None where an op's
-        buffer is not one the infos hold as a plain tensor (e.g. a DTensor's local part)."""
+        buffer is not a plain tensor one of the infos holds."""
         holders = {
             id(info.buffer): info
             for info in infos or ()
@@ -326,12 +336,20 @@ class _ReceiveRoute:
 
     def matches(self, infos: Any, has_backward: bool) -> bool:
         """Whether the stage still receives into these buffers (the same infos object,
-        each holding the same buffer)."""
+        each holding what it held)."""
         return (
             infos is self.infos
             and has_backward == self.has_backward
-            and all(info.buffer is buffer for info, buffer, _ in self.buffers)
+            and all(info.buffer is held for info, held in zip(infos, self.held, strict=True))
         )
+
+
+@functools.cache
+def _microbatch() -> Any:
+    """torch's micro-batch splitting module (its debug switch is read per step)."""
+    from torch.distributed.pipelining import microbatch
+
+    return microbatch
 
 
 @functools.cache

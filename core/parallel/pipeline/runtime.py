@@ -183,7 +183,12 @@ class PipelineRuntime:
         signature = tuple([(t.shape, t.dtype) for t in inputs if isinstance(t, torch.Tensor)])
         if signature == self._signature:  # (every step but the first, as a rule)
             return
-        if signature and signature[0][0] and signature[0][0][0] % self.plan.microbatches:
+        if signature and not signature[0][0]:
+            raise ValueError(
+                "under pipeline parallelism the first input must have a batch dimension to "
+                "split into micro-batches; got a 0-dim tensor"
+            )
+        if signature and signature[0][0][0] % self.plan.microbatches:
             raise ValueError(
                 f"a batch of {signature[0][0][0]} samples does not split into "
                 f"pp_microbatches={self.plan.microbatches} equal micro-batches; make the "
@@ -209,7 +214,7 @@ class PipelineRuntime:
         self._check_batch(inputs)
         self._loss_fn, self._scale, self._reported = loss_fn, scale, []
         runner = self.schedule._step_microbatches
-        if isinstance(runner, ActionRunner):
+        if isinstance(runner, ActionRunner) and runner.splits(target):
             runner.train(inputs, target)
         else:
             # The last stage's outputs are not kept (nor joined into one) where torch allows.
@@ -276,7 +281,7 @@ class PipelineRuntime:
             # calls the loss on made-up outputs to learn the gradient shapes.
             real = self._reported[-self.plan.microbatches :]
             if any(loss.dtype != torch.float32 or loss.dim() for loss in real):
-                real = [loss.float().reshape(()) for loss in real]
+                real = [loss.float() for loss in real]  # (a mean over all their elements)
             loss = torch.stack(real).mean()
             if loss.device != device:
                 loss = loss.to(device)

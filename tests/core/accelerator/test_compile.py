@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch._dynamo
@@ -38,6 +40,28 @@ def test_forward_backward_looks_through_the_compile_wrapper():
         compiled, torch.ones(2, 3), target=torch.zeros(2, 1), loss_fn=nn.functional.mse_loss
     )
     assert loss.requires_grad is False and original.weight.grad is not None
+
+
+def test_a_pipelined_model_is_found_through_the_compile_wrapper():
+    from slipstream.parallel.pipeline import pipeline_of
+
+    class Pipeline:  # what forward_backward hands a pipelined model's batch to
+        def __init__(self) -> None:
+            self.batches: list[tuple[Any, Any]] = []
+
+        def train(self, inputs: Any, target: Any, loss_fn: Any, scale: Any) -> torch.Tensor:
+            self.batches.append((inputs, target))
+            return torch.tensor(1.5)
+
+    original = nn.Linear(3, 1)
+    pipeline = Pipeline()
+    original.__dict__.update(_pipeline=pipeline, _pipeline_kind="modules")
+    compiled = torch.compile(original, backend="eager")
+    assert pipeline_of(original) is pipeline and pipeline_of(compiled) is pipeline
+    assert pipeline_of(nn.Linear(3, 1)) is None
+    x, y = torch.ones(2, 3), torch.zeros(2, 1)
+    loss = Accelerator().forward_backward(compiled, x, target=y, loss_fn=nn.functional.mse_loss)
+    assert loss.item() == 1.5 and pipeline.batches == [((x,), y)]
 
 
 @torch._dynamo.register_backend

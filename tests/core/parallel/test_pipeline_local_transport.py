@@ -225,10 +225,28 @@ def test_a_receive_route_is_kept_only_while_the_stage_holds_its_buffers():
     assert route.matches(infos, True)
     assert not route.matches(infos, False)  # torch posts no gradient receives then
     assert not route.matches(tuple(list(infos)), True)  # set up anew: other infos
-    infos[1].buffer = torch.zeros(3)  # (a DTensor's local part is replaced, e.g.)
+    infos[0].buffer = torch.zeros(1)  # one that held nothing now holds a buffer
+    assert not route.matches(infos, True)
+    infos[0].buffer = None
+    assert route.matches(infos, True)
+    infos[1].buffer = torch.zeros(3)  # a buffer replaced
     assert not route.matches(infos, True)
     # An op into a tensor no info holds: torch's ops are used every time.
     assert _ReceiveRoute.of(infos, True, [SimpleNamespace(tensor=torch.zeros(1), peer=1)]) is None
+
+
+def test_the_runner_splits_only_plain_tensor_targets_itself():
+    from types import SimpleNamespace
+
+    from slipstream.parallel.pipeline.runner import ActionRunner
+
+    runner = ActionRunner(SimpleNamespace(_n_microbatches=4))
+    y = torch.zeros(8, 2)
+    assert runner.splits(None) and runner.splits(y)
+    # torch's own step splits the rest (how differs between torch versions).
+    assert not runner.splits(nn.Parameter(y, requires_grad=False))
+    assert not runner.splits(y.requires_grad_())
+    assert not runner.splits(torch.zeros(3, 2)) and not runner.splits(torch.zeros(()))
 
 
 def test_tensors_of_every_size_arrive_whole_and_in_order():

@@ -310,6 +310,9 @@ def _meta_and_errors() -> dict[str, Any]:
     result["batch"] = attempt(
         lambda: acc.forward_backward(plain, x[:3], target=x[:3], loss_fn=F.mse_loss)
     )
+    result["0-dim"] = attempt(
+        lambda: acc.forward_backward(plain, x[0, 0], target=x[:3], loss_fn=F.mse_loss)
+    )
     result["padding"] = attempt(
         lambda: acc.forward_backward(
             model, {"input_ids": tokens, "labels": tokens, "attention_mask": tokens * 0}
@@ -328,6 +331,7 @@ def test_meta_device_models_and_clear_errors():
     assert "for evaluation call the model in eval mode" in first["called"]
     assert "needs loss_fn=..." in first["no loss"]
     assert "a batch of 3 samples does not split into pp_microbatches=2" in first["batch"]
+    assert "must have a batch dimension" in first["0-dim"]
     assert "padding masks are not supported" in first["padding"]
 
 
