@@ -340,7 +340,7 @@ class _ReceiveRoute:
         return (
             infos is self.infos
             and has_backward == self.has_backward
-            and all(info.buffer is held for info, held in zip(infos, self.held, strict=True))
+            and all(info.buffer is held for info, held in zip(infos or (), self.held, strict=True))
         )
 
 

@@ -231,6 +231,10 @@ def test_a_receive_route_is_kept_only_while_the_stage_holds_its_buffers():
     assert route.matches(infos, True)
     infos[1].buffer = torch.zeros(3)  # a buffer replaced
     assert not route.matches(infos, True)
+    # A stage with no receive infos for the micro-batch (forward only: no gradients come).
+    nothing = _ReceiveRoute.of(None, False, [])
+    assert nothing is not None and nothing.buffers == [] and nothing.matches(None, False)
+    assert not nothing.matches(None, True)
     # An op into a tensor no info holds: torch's ops are used every time.
     assert _ReceiveRoute.of(infos, True, [SimpleNamespace(tensor=torch.zeros(1), peer=1)]) is None
 
