@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slipstream import Accelerator, DistributedDataParallelKwargs
@@ -60,6 +61,10 @@ def _bf16_hook_on_cpu() -> list[str]:
             messages.append("no error")
         except ValueError as error:
             messages.append(str(error))
+    # Not before both processes are connected: torch's init_process_group has no barrier,
+    # and a process that tore its group down at once (the end of this body) while the other
+    # was still connecting failed the other's connectFullMesh once ("closed by peer").
+    dist.barrier()
     return messages
 
 
