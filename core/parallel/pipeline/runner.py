@@ -18,9 +18,10 @@ what the socket cannot take at once; after a stage's first send in each directio
 outputs or input gradients are written without building torch's ``P2POp``s, and after a
 micro-batch's first receive its buffers are posted the same way). Sends are waited on at
 the end of the step. A training step of positional tensors skips torch's generic ``step``
-(``ActionRunner.train``): the batch and target are split as torch splits them. Every microsecond of Python between two computations is
-idle time on the pipeline's critical path, so the actions become calls once per action
-list (``_compile``), not an if-chain per action and step.
+(``ActionRunner.train``): the batch and target are split as torch splits them. Every
+microsecond of Python between two computations is idle time on the pipeline's critical
+path, so the actions become calls once per action list (``_compile``), not an if-chain per
+action and step.
 
 Stages wrapped in FSDP (``UNSHARD``/``RESHARD`` actions do real work) and schedules with
 custom action functions keep torch's runner.
@@ -71,6 +72,8 @@ class ActionRunner:
         # This process's actions as calls, made once (see _compile), and what they came from.
         self._calls: list[tuple[Any, Callable[..., None], Any, int]] = []
         self._compiled_from: Any = None
+        #: This process's stages by index (made with the calls).
+        self.stages: dict[int, Any] = {}
 
     @staticmethod
     def applies_to(schedule: Any) -> bool:
@@ -89,15 +92,7 @@ class ActionRunner:
         """Whether :meth:`train` splits ``target`` as torch's ``step`` would: a plain
         tensor (or none) that divides into the micro-batches; anything else goes to torch's
         ``step``, whose splitting of other targets differs between torch versions."""
-        if target is None:
-            return True
-        return (
-            type(target) is torch.Tensor
-            and target.dim() > 0
-            and target.shape[0] >= self.schedule._n_microbatches
-            and not target.requires_grad
-            and not getattr(_microbatch(), "_debug_mask_minibatches", False)
-        )
+        return target is None or splits_plainly(target, self.schedule._n_microbatches)
 
     def train(self, args: tuple[Any, ...], target: Any) -> None:
         """A training step of the whole batch: what torch's ``schedule.step(*args,
@@ -137,10 +132,11 @@ class ActionRunner:
         schedule._initialize_stages(args[0], kwargs[0], first_target, loss_kwargs)
         if self.channels is not None:
             self.channels.check_drained()
-        step = _Step(schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs, self)
         actions = schedule.pipeline_order_with_comms[schedule.rank]
         if actions is not self._compiled_from:
             self._calls, self._compiled_from = _compile(actions, schedule._stages), actions
+            self.stages = {stage.stage_index: stage for stage in schedule._stages}
+        step = _Step(schedule, args, kwargs, target_mbs, return_outputs, loss_kwargs, self)
         for action, call, stage, chunk in self._calls:
             if profiler._is_profiler_enabled:
                 with torch.profiler.record_function(f"PP:{action}"):
@@ -177,8 +173,7 @@ class _Step:
         )  # fmt: skip
         self.helpers = _schedules()  # torch's _batch_p2p and _wait_batch_p2p
         self.post = channels.post if self.local else self.helpers._batch_p2p
-        self.schedule = schedule
-        self.stages = {stage.stage_index: stage for stage in schedule._stages}
+        self.schedule, self.stages = schedule, runner.stages
         self.args, self.kwargs, self.targets = args, kwargs, targets
         self.return_outputs, self.loss_kwargs = return_outputs, loss_kwargs
         self.receives: dict[tuple[str, int, int], list[Any]] = {}
@@ -342,6 +337,20 @@ class _ReceiveRoute:
             and has_backward == self.has_backward
             and all(info.buffer is held for info, held in zip(infos or (), self.held, strict=True))
         )
+
+
+def splits_plainly(value: Any, count: int) -> bool:
+    """Whether torch splits ``value`` into ``count`` micro-batches as ``tensor_split`` along
+    its first dimension does (the same views): a plain tensor with that many rows, not a
+    leaf that needs gradients (torch keeps its pieces' gradients), with torch's debug
+    masking off."""
+    return (
+        type(value) is torch.Tensor
+        and value.dim() > 0
+        and value.shape[0] >= count
+        and not (value.requires_grad and value.is_leaf)
+        and not getattr(_microbatch(), "_debug_mask_minibatches", False)
+    )
 
 
 @functools.cache

@@ -30,7 +30,7 @@ from ..config_values import PIPELINE_SCHEDULES, schedule_name
 from ..errors import ParallelismConfigError
 from .local_transport import local_channels
 from .receives import posts_without_blocking, with_early_receives
-from .runner import ActionRunner
+from .runner import ActionRunner, splits_plainly
 
 #: Schedules that run one stage per process; the others run several ("virtual" stages).
 SINGLE_STAGE = ("gpipe", "1f1b")
@@ -336,11 +336,8 @@ class _SplitPlainTensors:
     to torch's."""
 
     def __init__(self, schedule: Any, microbatches: int) -> None:
-        from torch.distributed.pipelining import microbatch
-
         self.schedule, self.microbatches = schedule, microbatches
         self.split = schedule._split_inputs  # torch's
-        self.torch_microbatch = microbatch  # its debug switch is read when splitting
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         count = self.microbatches
@@ -348,14 +345,7 @@ class _SplitPlainTensors:
             not args
             or kwargs
             or getattr(self.schedule, "_args_chunk_spec", None) is not None
-            or getattr(self.torch_microbatch, "_debug_mask_minibatches", False)
-            or not all(
-                type(arg) is torch.Tensor
-                and arg.dim() > 0
-                and arg.shape[0] >= count
-                and not (arg.requires_grad and arg.is_leaf)
-                for arg in args
-            )
+            or not all(splits_plainly(arg, count) for arg in args)
         ):
             return self.split(args, kwargs)
         pieces = [torch.tensor_split(arg, count) for arg in args]
