@@ -48,7 +48,7 @@ out the schedule: core/parallel/pipeline/receives.py, runner.py), **torch schedu
 what slipstream did before) and **torch loop** (the hand-written loop: the same blocks split
 by hand, a ``PipelineStage`` per local stage and torch's schedule class); with
 ``--variants`` also **slipstream over gloo** (its runner with the transfers on gloo, not
-the local Unix-socket transport: local_transport.py). Their final
+the local transport of shared-memory rings and Unix sockets: local_transport.py). Their final
 gradients are the same bits (tests/core/parallel/test_pipeline_receives.py); only where the
 idle time goes differs.
 
@@ -81,11 +81,11 @@ from torch import nn
 from slipstream.parallel.config_values import PIPELINE_SCHEDULES as PIPELINE_CLASSES
 
 # What each schedule is measured as: slipstream (over gloo its receives are posted when the
-# step starts, and between processes of one machine its runner's transfers use Unix sockets),
+# step starts, and between processes of one machine its runner's transfers use shared memory),
 # slipstream running torch's schedule as it is ("before"), and the hand-written torch loop.
 VARIANTS = ("slipstream", "torch schedule", "torch loop")
 #: Measured only when asked for (--variants): slipstream's runner with its transfers on gloo
-#: rather than the local Unix-socket transport (what it did before that transport).
+#: rather than the local transport (what it did before that transport).
 EXTRA_VARIANTS = ("slipstream over gloo",)
 SCHEDULES = (
     "gpipe",

@@ -1,16 +1,21 @@
-"""Transfers between pipeline stages on one machine over Unix sockets, instead of gloo's.
+"""Transfers between pipeline stages on one machine through shared memory and Unix sockets,
+instead of gloo's.
 
 Over gloo a transfer is a rendezvous run by each process's I/O thread: posting a receive
 sends an announcement to the peer, the data goes out once the announcement is known, and
 the receiver's I/O thread reads it before waking the computing thread. With as many
 processes as cores (the CPU case), each of those wake-ups takes a core from a computation
-and each hand-over waits for one. Here the two processes of a pair share one Unix stream
-socket: a send writes the tensor's bytes from the computing thread without blocking (what
-the socket cannot take at once goes to a writer thread of that socket, behind which that
-peer's later sends queue), and a wait reads them, in the computing thread, straight into the receive
-buffer. A pair's messages arrive in the order they were sent, as gloo matches them; each
-carries its length, so a mismatch fails loudly rather than filling a buffer with another
-message. The bytes are the tensor's own: results are bitwise those over gloo.
+and each hand-over waits for one. Here the two processes of a pair share a channel, used
+by the computing threads themselves: on x86-64 Linux a shared-memory ring each way
+(shared_ring.py: a send copies the tensor's bytes into the ring, a wait copies them out
+into the receive buffer), beside one Unix stream socket, which carries what is too large
+for a ring and tells a reader when its peer's process ends; elsewhere the socket carries
+everything (a send writes the bytes without blocking, a wait reads them straight into the
+receive buffer). What a channel cannot take at once goes to its writer thread, behind which
+that peer's later sends queue. A pair's messages arrive in the order they were sent, as
+gloo matches them; each carries its length, so a mismatch fails loudly rather than filling
+a buffer with another message. The bytes are the tensor's own: results are bitwise those
+over gloo.
 
 Used by slipstream's pipeline runner over gloo when every process of the pipeline group
 runs on this machine and runs the runner (``PipelineRuntime`` decides, collectively, when
@@ -28,22 +33,32 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
+import mmap
 import os
+import platform
 import queue
 import secrets
+import select
 import socket
 import struct
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .shared_ring import CLOSED as _CLOSED
+from .shared_ring import SharedRing, ring_memory
+
 _HEADER = struct.Struct("<q")
-_CLOSED = "the peer pipeline stage closed its connection (its process ended)"
+
+#: Bytes of records in each shared ring (a payload over a quarter of it goes over the socket).
+RING_BYTES = 4 << 20
 
 #: Channels per pipeline group (and the process that connected them: a forked child has
 #: none): connected once, used by every schedule built on the group since; dropped, and
@@ -53,17 +68,45 @@ _CONNECTED: weakref.WeakKeyDictionary[Any, tuple[int, LocalChannels | None]] = (
 )
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(
-            "local pipeline transfers take contiguous CPU tensors; got one on "
-            f"{tensor.device} (contiguous: {tensor.is_contiguous()})"
-        )
-    nbytes = tensor.numel() * tensor.element_size()
+class _ByteViews:
+    """Views of tensors' bytes, by address and length: made once per place in memory.
+
+    Made between two computations, on the pipeline's critical path, where code the
+    computation pushed out of the caches runs 10-20 times slower than in a loop: building
+    a view (ctypes, then memoryview's cast) took ~20 µs a transfer there, against ~1 µs in
+    a loop. A receive reads into the same buffers every step, and a step's outputs come
+    back at the same addresses from the allocator as a rule, so each transfer looks its
+    view up instead. A view is only an address and a length (it owns nothing), so one made
+    for an earlier tensor at the same address is a view of the tensor there now.
+    """
+
+    #: Beyond this many places, the views are dropped and made again as needed.
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self.views: dict[tuple[int, int], tuple[memoryview, memoryview]] = {}
+
+    def of(self, tensor: torch.Tensor) -> tuple[memoryview, memoryview]:
+        """(the tensor's bytes, its message header: the length) for a contiguous CPU
+        tensor (the caller keeps the tensor alive while the view is used)."""
+        if not tensor.is_cpu or not tensor.is_contiguous():
+            raise ValueError(
+                "local pipeline transfers take contiguous CPU tensors; got one on "
+                f"{tensor.device} (contiguous: {tensor.is_contiguous()})"
+            )
+        key = (tensor.data_ptr(), tensor.nbytes)
+        found = self.views.get(key)
+        if found is None:
+            if len(self.views) >= self.LIMIT:
+                self.views.clear()
+            found = self.views[key] = (_byte_view(*key), memoryview(_HEADER.pack(key[1])))
+        return found
+
+
+def _byte_view(address: int, nbytes: int) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray())  # (writable: a receive reads into it)
-    # A view of the tensor's memory (the caller keeps the tensor alive while it is used).
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def _read_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -77,13 +120,20 @@ def _read_exactly(sock: socket.socket, view: memoryview) -> None:
 class _Receive:
     """A posted receive: read (with every earlier one from the same peer) when waited on."""
 
-    __slots__ = ("channel", "done", "tensor")
+    __slots__ = ("channel", "done", "tensor", "view")
 
     def __init__(self, channel: _Channel, tensor: torch.Tensor) -> None:
         self.channel, self.tensor, self.done = channel, tensor, False
+        self.view = channel.views.of(tensor)[0]
 
     def read(self) -> None:
-        sock, header, view = self.channel.sock, bytearray(_HEADER.size), _byte_view(self.tensor)
+        inbox = self.channel.inbox
+        if inbox is not None:
+            inbox.take(self.view, _read_exactly)
+            self.done = True
+            return
+        # (Reads are one at a time per channel: its header buffer is reused.)
+        sock, header, view = self.channel.sock, self.channel.header, self.view
         # Header and data in one call when both are there (as a rule, by the time of the
         # wait). A message of another size fails here, before any further read, rather than
         # waiting for bytes that never come (what this call took may include the next
@@ -109,8 +159,7 @@ class _Receive:
 
 
 class _Backlog:
-    """The part of a send the socket could not take at once, written by the channel's
-    writer thread."""
+    """A send the channel could not complete at once, finished by its writer thread."""
 
     __slots__ = ("future",)
 
@@ -123,32 +172,72 @@ class _Backlog:
 
 
 class _Channel:
-    """One socket to one peer."""
+    """One peer: a socket, and where the machine allows, a shared-memory ring each way
+    (shared_ring.py) that carries the messages (the socket then carries only payloads too
+    large for a ring, and tells when the peer's process ends)."""
 
-    def __init__(self, sock: socket.socket, peer: int) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: int,
+        inbox: SharedRing | None = None,
+        outbox: SharedRing | None = None,
+    ) -> None:
         self.sock, self.peer = sock, peer
-        # One writer thread per socket (made when first needed): a write blocked until this
+        self.inbox, self.outbox = inbox, outbox
+        # One writer thread per channel (made when first needed): a write blocked until this
         # peer reads never holds back a send to another peer, so no chain of processes
         # waiting on each other's reads can close into a cycle.
         self.writer: _Writer | None = None
         self.pending: collections.deque[_Receive] = collections.deque()
         self.reading = threading.Lock()
+        self.header = bytearray(_HEADER.size)  # what a socket read's header goes into
         self.backlog: Future[None] | None = None
+        self.views = _ByteViews()
 
     def send(self, tensor: torch.Tensor) -> _Backlog | None:
-        data = _byte_view(tensor)
-        parts = [memoryview(_HEADER.pack(data.nbytes)), data]
+        data, header = self.views.of(tensor)
+        outbox = self.outbox
         if self.backlog is None or self.backlog.done():
             if self.backlog is not None:
                 self.backlog.result()  # raise what the writer thread met
-            parts = _send_without_blocking(self.sock, parts)
-            if not parts:
-                return None
+            if outbox is None:
+                parts = _send_without_blocking(self.sock, [header, data])
+                if not parts:
+                    return None
+                job = functools.partial(_write_all, self.sock, parts)
+            elif outbox.fits_inline(data.nbytes):
+                if outbox.put(data):
+                    return None
+                job = functools.partial(self._put_when_room, data, True)
+            elif outbox.put(data, inline=False):
+                parts = _send_without_blocking(self.sock, [data])
+                if not parts:
+                    return None
+                job = functools.partial(_write_all, self.sock, parts)
+            else:
+                job = functools.partial(self._put_when_room, data, False)
+        elif outbox is None:
+            job = functools.partial(_write_all, self.sock, [header, data])
+        else:
+            job = functools.partial(self._put_when_room, data, outbox.fits_inline(data.nbytes))
         if self.writer is None:
-            self.writer = _Writer(self.sock, self.peer)
+            self.writer = _Writer(self.peer)
         # Queued behind this peer's earlier backlog (the writer runs in order).
-        self.backlog = self.writer.submit(parts, tensor)
+        self.backlog = self.writer.submit(job, tensor)
         return _Backlog(self.backlog)
+
+    def _put_when_room(self, data: memoryview, inline: bool) -> None:
+        """(The writer thread.) Publish ``data`` once the peer has read enough of the ring
+        (the payload after it over the socket when not ``inline``)."""
+        assert self.outbox is not None
+        ended = select.poll()  # (poll, not select: any file number)
+        ended.register(self.sock, select.POLLIN)
+        while not self.outbox.put(data, inline):
+            if ended.poll(0.5) and not self.sock.recv(1, socket.MSG_PEEK):
+                raise ConnectionError(_CLOSED)  # the reader is gone: the room never comes
+        if not inline:
+            self.sock.sendall(data)
 
     def read_until(self, receive: _Receive) -> None:
         with self.reading:
@@ -159,29 +248,32 @@ class _Channel:
                 self.pending.popleft()
 
 
+def _write_all(sock: socket.socket, parts: list[memoryview]) -> None:
+    for part in parts:
+        sock.sendall(part)
+
+
 class _Writer:
-    """A daemon thread writing one socket's backlogs in order (a daemon: a process ending
+    """A daemon thread finishing one channel's sends in order (a daemon: a process ending
     while its peer no longer reads must not wait for it at exit)."""
 
-    def __init__(self, sock: socket.socket, peer: int) -> None:
-        self.sock = sock
-        self.queue: queue.SimpleQueue[tuple[Future[None], list[memoryview], torch.Tensor]] = (
+    def __init__(self, peer: int) -> None:
+        self.queue: queue.SimpleQueue[tuple[Future[None], Callable[[], None], torch.Tensor]] = (
             queue.SimpleQueue()
         )
         threading.Thread(target=self._run, name=f"slipstream-pp-to-{peer}", daemon=True).start()
 
-    def submit(self, parts: list[memoryview], tensor: torch.Tensor) -> Future[None]:
-        """Write ``parts`` (views of ``tensor``, held until they are written)."""
+    def submit(self, job: Callable[[], None], tensor: torch.Tensor) -> Future[None]:
+        """Run ``job`` (a write of ``tensor``'s bytes, which is held until it is done)."""
         future: Future[None] = Future()
-        self.queue.put((future, parts, tensor))
+        self.queue.put((future, job, tensor))
         return future
 
     def _run(self) -> None:
         while True:
-            future, parts, _tensor = self.queue.get()
+            future, job, _tensor = self.queue.get()
             try:
-                for part in parts:
-                    self.sock.sendall(part)
+                job()
             except BaseException as error:  # handed to whoever waits on the send
                 future.set_exception(error)
             else:
@@ -253,12 +345,12 @@ def local_channels(group: Any, wanted: bool) -> LocalChannels | None:
     # Abstract Unix addresses (no file on disk) exist on Linux only.
     here = (socket.gethostname(), _namespace(), bool(wanted) and sys.platform == "linux")
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, here, group=group)
+    dist.all_gather_object(everyone, (*here, _rings_possible()), group=group)
     if not all(entry[2] for entry in everyone) or len({entry[:2] for entry in everyone}) != 1:
         return None
     pid, channels = _CONNECTED.get(group, (None, None))
     if pid != os.getpid():
-        channels = _connect(group)
+        channels = _connect(group, rings=all(entry[3] for entry in everyone))
         _CONNECTED[group] = (os.getpid(), channels)
     return channels
 
@@ -271,7 +363,41 @@ def _namespace() -> str:
         return ""
 
 
-def _connect(group: Any) -> LocalChannels | None:
+def _rings_possible() -> bool:
+    """Whether this process can share rings (shared_ring.py: x86-64's store order; memfd
+    and eventfd, Linux's)."""
+    return (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and hasattr(os, "memfd_create")
+        and hasattr(os, "eventfd")
+    )
+
+
+def _rings(sockets: dict[int, socket.socket]) -> dict[int, tuple[SharedRing, SharedRing]]:
+    """(inbox, outbox) per peer: each process makes the ring it reads from and that ring's
+    doorbell, and hands both to the peer over their socket."""
+    made = {}
+    for peer, sock in sockets.items():
+        sock.settimeout(60.0)  # a peer that failed part way must not leave us waiting
+        fd, memory = ring_memory(RING_BYTES)
+        doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        socket.send_fds(sock, [b"R"], [fd, doorbell])
+        os.close(fd)  # (the mapping keeps the memory)
+        made[peer] = (memory, doorbell)
+    rings = {}
+    for peer, sock in sockets.items():
+        _, fds, _, _ = socket.recv_fds(sock, 1, 2)
+        if len(fds) != 2:
+            raise OSError("a pipeline peer did not hand over its shared ring")
+        memory, doorbell = made[peer]
+        their_memory = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
+        os.close(fds[0])
+        sock.settimeout(None)
+        rings[peer] = (SharedRing(memory, doorbell, sock), SharedRing(their_memory, fds[1], sock))
+    return rings
+
+
+def _connect(group: Any, rings: bool = False) -> LocalChannels | None:
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank()
     token: list[Any] = [secrets.token_hex(8)]
@@ -310,10 +436,20 @@ def _connect(group: Any) -> LocalChannels | None:
         connected = False
     finally:
         listener.close()
+    shared: dict[int, tuple[SharedRing, SharedRing]] = {}
+    if connected and rings:
+        try:
+            shared = _rings(sockets)
+        except OSError:  # (what was handed over part way would not line up: gloo stays)
+            connected = False
     everyone = [None] * len(ranks)
     dist.all_gather_object(everyone, connected, group=group)
     if not all(everyone):
         for sock in sockets.values():
             sock.close()
         return None
-    return LocalChannels({peer: _Channel(sock, peer) for peer, sock in sockets.items()})
+    channels = {}
+    for peer, sock in sockets.items():
+        inbox, outbox = shared.get(peer, (None, None))
+        channels[peer] = _Channel(sock, peer, inbox, outbox)
+    return LocalChannels(channels)

@@ -12,11 +12,12 @@ it. Sends are posted by one sender thread per process, in the order of the list:
 receive already posted, gloo writes a send's data in the thread that posts it, and on the
 CPUs measured that write (which also wakes the receiver's threads) took 7-15% of a step
 when done between the actions; the computing thread now only hands the send over. Between
-processes of one machine the transfers go over Unix sockets instead (local_transport.py:
-the computing thread writes and reads them itself, with a writer thread per socket taking
-what the socket cannot take at once; after a stage's first send in each direction, its
-outputs or input gradients are written without building torch's ``P2POp``s, and after a
-micro-batch's first receive its buffers are posted the same way). Sends are waited on at
+processes of one machine the transfers go through shared memory and Unix sockets instead
+(local_transport.py: the computing thread writes and reads them itself, with a writer
+thread per channel taking what the channel cannot take at once; after a stage's first
+send in each direction, its outputs or input gradients are written without building
+torch's ``P2POp``s, and after a micro-batch's first receive its buffers are posted the
+same way). Sends are waited on at
 the end of the step. A training step of positional tensors skips torch's generic ``step``
 (``ActionRunner.train``): the batch and target are split as torch splits them. Every
 microsecond of Python between two computations is idle time on the pipeline's critical
@@ -59,7 +60,7 @@ class ActionRunner:
 
     def __init__(self, schedule: Any) -> None:
         self.schedule = schedule
-        #: The pipeline group's Unix-socket channels (local_transport.py), when its
+        #: The pipeline group's local channels (local_transport.py), when its
         #: ``PipelineRuntime`` found every process on this machine; gloo otherwise.
         self.channels: Any = None
         #: Over the channels: how many outputs (or input gradients) a stage has, and which

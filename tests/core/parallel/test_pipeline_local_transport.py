@@ -1,6 +1,7 @@
-"""The pipeline's Unix-socket transport (core/parallel/pipeline/local_transport.py): sends
-larger than the socket takes at once, gloo kept where a process is elsewhere, and the
-errors for messages that do not line up."""
+"""The pipeline's local transport (core/parallel/pipeline/local_transport.py): shared rings
+with sends larger than a ring or the socket takes at once, sockets alone where a process
+cannot share rings, gloo kept where a process is elsewhere, and the errors for messages
+that do not line up."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from slipstream.parallel.pipeline import local_transport
 from slipstream.parallel.pipeline.runtime import PipelineRuntime, resolve_plan
 from tests.distributed import run_distributed
 
-# 2 MiB per micro-batch activation: far more than a Unix socket's buffer, so every send is
-# partly written by the socket's writer thread.
+# 2 MiB per micro-batch activation: more than a quarter of a shared ring (so it goes over
+# the socket) and far more than a Unix socket's buffer, so every send is partly written by
+# the channel's writer thread.
 WIDTH, MICROBATCHES = 1 << 19, 4
 
 
@@ -63,6 +65,12 @@ def _train(name: str, early: bool) -> dict[str, Any]:
             no_grad = str(error)
     return {
         "local": runtime.channels is not None,
+        # Whether the messages go through shared-memory rings (shared_ring.py).
+        "rings": runtime.channels is not None
+        and all(
+            channel.inbox is not None and channel.outbox is not None
+            for channel in runtime.channels.channels.values()
+        ),
         # Which value each stage's sends carry, and to whom: learned from torch's first ops.
         "routes": dict(getattr(runner, "routes", {})),
         # The peer of each receive buffer of each (forward?, stage, micro-batch), and
@@ -84,6 +92,7 @@ def _large_sends_and_fallback() -> dict[str, Any]:
         reference, local = _train(name, early=False), _train(name, early=True)
         results[name] = {
             "local": local["local"],
+            "rings": local["rings"],
             "routes": local["routes"],
             "receive_routes": local["receive_routes"],
             "no_grad": "needs gradients" in local["no_grad"] and reference["no_grad"] != "",
@@ -93,6 +102,23 @@ def _large_sends_and_fallback() -> dict[str, Any]:
                 for a, b in zip(reference["gradients"], local["gradients"], strict=True)
             ),
         }
+    # One process that cannot share rings: the pair connects anew and every message goes
+    # over the sockets, with the same bits.
+    local_transport._CONNECTED.clear()
+    possible = local_transport._rings_possible
+    if dist.get_rank() == 1:
+        local_transport._rings_possible = lambda: False  # type: ignore[assignment]
+    reference, sockets = _train("1f1b", early=False), _train("1f1b", early=True)
+    local_transport._rings_possible = possible  # type: ignore[assignment]
+    results["sockets only"] = {
+        "local": sockets["local"],
+        "rings": sockets["rings"],
+        "same": torch.equal(reference["loss"], sockets["loss"])
+        and all(
+            torch.equal(a, b)
+            for a, b in zip(reference["gradients"], sockets["gradients"], strict=True)
+        ),
+    }
     # One process that says it runs elsewhere: every process keeps gloo, and trains the same.
     if dist.get_rank() == 1:
         local_transport.socket.gethostname = lambda: "another-machine"  # type: ignore[assignment]
@@ -137,12 +163,14 @@ def test_sends_larger_than_the_socket_and_a_process_elsewhere():
         for name in ("1f1b", "interleaved_1f1b"):
             expected = {
                 "local": True,
+                "rings": local_transport._rings_possible(),
                 "routes": ROUTES[name][rank],
                 "receive_routes": _receive_routes(name, rank),
                 "no_grad": True,
                 "same": True,
             }
             assert results[name] == expected, (rank, name)
+        assert results["sockets only"] == {"local": True, "rings": False, "same": True}, rank
         assert results["elsewhere"] == {"local": False, "same": True}, rank
 
 
