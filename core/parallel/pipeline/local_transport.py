@@ -32,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import ctypes
 import functools
 import mmap
 import os
@@ -53,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .shared_ring import CLOSED as _CLOSED
-from .shared_ring import SharedRing, ring_memory
+from .shared_ring import SharedRing, byte_view, ring_memory
 
 _HEADER = struct.Struct("<q")
 
@@ -68,16 +67,26 @@ _CONNECTED: weakref.WeakKeyDictionary[Any, tuple[int, LocalChannels | None]] = (
 )
 
 
+def _place(tensor: torch.Tensor) -> tuple[int, int]:
+    """The address and length of a contiguous CPU tensor's bytes."""
+    if not tensor.is_cpu or not tensor.is_contiguous():
+        raise ValueError(
+            "local pipeline transfers take contiguous CPU tensors; got one on "
+            f"{tensor.device} (contiguous: {tensor.is_contiguous()})"
+        )
+    return tensor.data_ptr(), tensor.nbytes
+
+
 class _ByteViews:
-    """Views of tensors' bytes, by address and length: made once per place in memory.
+    """Views of tensors' bytes for the socket, by address and length: made once per place
+    in memory.
 
     Made between two computations, on the pipeline's critical path, where code the
     computation pushed out of the caches runs 10-20 times slower than in a loop: building
-    a view (ctypes, then memoryview's cast) took ~20 µs a transfer there, against ~1 µs in
-    a loop. A receive reads into the same buffers every step, and a step's outputs come
-    back at the same addresses from the allocator as a rule, so each transfer looks its
-    view up instead. A view is only an address and a length (it owns nothing), so one made
-    for an earlier tensor at the same address is a view of the tensor there now.
+    a view (ctypes, then memoryview's cast) took ~10-20 µs a transfer there, against ~1 µs
+    in a loop. A receive reads into the same buffers every step, so it looks its view up
+    instead. A view is only an address and a length (it owns nothing), so one made for an
+    earlier tensor at the same address is a view of the tensor there now.
     """
 
     #: Beyond this many places, the views are dropped and made again as needed.
@@ -89,24 +98,13 @@ class _ByteViews:
     def of(self, tensor: torch.Tensor) -> tuple[memoryview, memoryview]:
         """(the tensor's bytes, its message header: the length) for a contiguous CPU
         tensor (the caller keeps the tensor alive while the view is used)."""
-        if not tensor.is_cpu or not tensor.is_contiguous():
-            raise ValueError(
-                "local pipeline transfers take contiguous CPU tensors; got one on "
-                f"{tensor.device} (contiguous: {tensor.is_contiguous()})"
-            )
-        key = (tensor.data_ptr(), tensor.nbytes)
+        key = _place(tensor)
         found = self.views.get(key)
         if found is None:
             if len(self.views) >= self.LIMIT:
                 self.views.clear()
-            found = self.views[key] = (_byte_view(*key), memoryview(_HEADER.pack(key[1])))
+            found = self.views[key] = (byte_view(*key), memoryview(_HEADER.pack(key[1])))
         return found
-
-
-def _byte_view(address: int, nbytes: int) -> memoryview:
-    if nbytes == 0:
-        return memoryview(bytearray())  # (writable: a receive reads into it)
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def _read_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -120,20 +118,23 @@ def _read_exactly(sock: socket.socket, view: memoryview) -> None:
 class _Receive:
     """A posted receive: read (with every earlier one from the same peer) when waited on."""
 
-    __slots__ = ("channel", "done", "tensor", "view")
+    __slots__ = ("address", "channel", "done", "nbytes", "tensor")
 
-    def __init__(self, channel: _Channel, tensor: torch.Tensor) -> None:
+    def __init__(
+        self, channel: _Channel, tensor: torch.Tensor, place: tuple[int, int] | None = None
+    ) -> None:
         self.channel, self.tensor, self.done = channel, tensor, False
-        self.view = channel.views.of(tensor)[0]
+        self.address, self.nbytes = _place(tensor) if place is None else place
 
     def read(self) -> None:
         inbox = self.channel.inbox
         if inbox is not None:
-            inbox.take(self.view, _read_exactly)
+            inbox.take(self.address, self.nbytes, _read_exactly)
             self.done = True
             return
         # (Reads are one at a time per channel: its header buffer is reused.)
-        sock, header, view = self.channel.sock, self.channel.header, self.view
+        channel = self.channel
+        sock, header, view = channel.sock, channel.header, channel.views.of(self.tensor)[0]
         # Header and data in one call when both are there (as a rule, by the time of the
         # wait). A message of another size fails here, before any further read, rather than
         # waiting for bytes that never come (what this call took may include the next
@@ -196,8 +197,12 @@ class _Channel:
         self.views = _ByteViews()
 
     def send(self, tensor: torch.Tensor) -> _Backlog | None:
-        data, header = self.views.of(tensor)
         outbox = self.outbox
+        if outbox is None:
+            data, header = self.views.of(tensor)
+        else:
+            address, nbytes = _place(tensor)
+            inline = outbox.fits_inline(nbytes)
         if self.backlog is None or self.backlog.done():
             if self.backlog is not None:
                 self.backlog.result()  # raise what the writer thread met
@@ -206,38 +211,43 @@ class _Channel:
                 if not parts:
                     return None
                 job = functools.partial(_write_all, self.sock, parts)
-            elif outbox.fits_inline(data.nbytes):
-                if outbox.put(data):
-                    return None
-                job = functools.partial(self._put_when_room, data, True)
-            elif outbox.put(data, inline=False):
-                parts = _send_without_blocking(self.sock, [data])
+            elif not outbox.put(address, nbytes, inline):
+                job = functools.partial(self._put_when_room, address, nbytes, inline)
+            elif inline:
+                return None
+            else:  # the record is out; the payload follows over the socket
+                parts = _send_without_blocking(self.sock, [byte_view(address, nbytes)])
                 if not parts:
                     return None
                 job = functools.partial(_write_all, self.sock, parts)
-            else:
-                job = functools.partial(self._put_when_room, data, False)
         elif outbox is None:
             job = functools.partial(_write_all, self.sock, [header, data])
         else:
-            job = functools.partial(self._put_when_room, data, outbox.fits_inline(data.nbytes))
+            job = functools.partial(self._put_when_room, address, nbytes, inline)
         if self.writer is None:
             self.writer = _Writer(self.peer)
         # Queued behind this peer's earlier backlog (the writer runs in order).
         self.backlog = self.writer.submit(job, tensor)
         return _Backlog(self.backlog)
 
-    def _put_when_room(self, data: memoryview, inline: bool) -> None:
-        """(The writer thread.) Publish ``data`` once the peer has read enough of the ring
-        (the payload after it over the socket when not ``inline``)."""
+    def receive(self, tensor: torch.Tensor, place: tuple[int, int] | None = None) -> _Receive:
+        """Post a receive into ``tensor`` (``place``: the address and length of its bytes,
+        when known); it is read when waited on, after the earlier ones."""
+        receive = _Receive(self, tensor, place)
+        self.pending.append(receive)
+        return receive
+
+    def _put_when_room(self, address: int, nbytes: int, inline: bool) -> None:
+        """(The writer thread.) Publish the bytes at ``address`` once the peer has read
+        enough of the ring (over the socket after their record when not ``inline``)."""
         assert self.outbox is not None
         ended = select.poll()  # (poll, not select: any file number)
         ended.register(self.sock, select.POLLIN)
-        while not self.outbox.put(data, inline):
+        while not self.outbox.put(address, nbytes, inline):
             if ended.poll(0.5) and not self.sock.recv(1, socket.MSG_PEEK):
                 raise ConnectionError(_CLOSED)  # the reader is gone: the room never comes
         if not inline:
-            self.sock.sendall(data)
+            self.sock.sendall(byte_view(address, nbytes))
 
     def read_until(self, receive: _Receive) -> None:
         with self.reading:
@@ -321,10 +331,7 @@ class LocalChannels:
     def receive(self, peer: int, tensor: torch.Tensor) -> _Receive:
         """Post a receive into ``tensor`` from global rank ``peer`` (read when waited on,
         after the peer's earlier messages)."""
-        channel = self.channels[peer]
-        receive = _Receive(channel, tensor)
-        channel.pending.append(receive)
-        return receive
+        return self.channels[peer].receive(tensor)
 
     def check_drained(self) -> None:
         """Raise if a receive of an earlier step is still unread (that step stopped part

@@ -234,15 +234,20 @@ class _Step:
         values = stage.fwd_cache[chunk][0] if forward else stage.bwd_cache.get(chunk, ())
         key = (forward, stage.stage_index)
         count, route = self.routes.get(key, (0, []))
-        if (
-            route
-            and len(values) == count
-            and all(type(values[i]) is torch.Tensor for i, _ in route)
-        ):
-            if not forward:
-                del stage.bwd_cache[chunk]  # consumed, as torch's get_bwd_send_ops does
-            written = (self.channels.send(peer, values[i]) for i, peer in route)
-            return [backlog for backlog in written if backlog is not None]
+        if route and len(values) == count:
+            # (Loops, not generators: this runs cold, where each frame costs microseconds.)
+            plain = True
+            for i, _ in route:
+                plain = plain and type(values[i]) is torch.Tensor
+            if plain:
+                if not forward:
+                    del stage.bwd_cache[chunk]  # consumed, as torch's get_bwd_send_ops does
+                channels, backlogs = self.channels.channels, []
+                for i, peer in route:
+                    backlog = channels[peer].send(values[i])
+                    if backlog is not None:
+                        backlogs.append(backlog)
+                return backlogs
         ops = _send_ops(stage, forward, chunk)
         if ops and key not in self.routes:  # (none: e.g. a forward-only step's, learned later)
             self.routes[key] = (len(values), _route(values, ops))
@@ -264,19 +269,28 @@ class _Step:
         key = (forward, stage.stage_index, chunk)
         known = self.receive_routes.get(key)
         if known is not None and self.local and known.matches(infos, stage.has_backward):
-            receive = self.channels.receive
-            return [receive(peer, buffer) for _, buffer, peer in known.buffers]
+            return [channel.receive(buffer, place) for channel, buffer, place in known.posts]
         ops = stage.get_fwd_recv_ops(chunk) if forward else stage.get_bwd_recv_ops(chunk)
+        posted = list(self.post(ops))
         if self.local:
             route = _ReceiveRoute.of(infos, stage.has_backward, ops)
             if route is not None:
+                # Each buffer's channel and place in memory (the same while the buffer is).
+                route.posts = [
+                    (work.channel, work.tensor, (work.address, work.nbytes)) for work in posted
+                ]
                 self.receive_routes[key] = route
-        return list(self.post(ops))
+        return posted
 
     def _wait(self, key: tuple[str, int, int]) -> None:
         if key not in self.receives:
             raise RuntimeError(f"pipeline action {key} runs before its receive was posted")
-        self.helpers._wait_batch_p2p(self.receives.pop(key))
+        works = self.receives.pop(key)
+        if self.local:
+            for work in works:
+                work.wait()
+        else:
+            self.helpers._wait_batch_p2p(works)
 
     def forward(self, stage: Any, chunk: int) -> None:
         index = stage.stage_index
@@ -304,12 +318,15 @@ class _ReceiveRoute:
     """A micro-batch's receive buffers (each with the ``_RecvInfo`` holding it) and the
     global rank each is received from, as torch's receive ops named them."""
 
-    __slots__ = ("buffers", "has_backward", "held", "infos")
+    __slots__ = ("buffers", "has_backward", "held", "infos", "posts")
 
     def __init__(
         self, infos: Any, has_backward: bool, buffers: list[tuple[Any, torch.Tensor, int]]
     ) -> None:
         self.infos, self.has_backward, self.buffers = infos, has_backward, buffers
+        #: (channel, buffer, (address, length)) of each receive, in order
+        #: (local_transport.py).
+        self.posts: list[tuple[Any, torch.Tensor, tuple[int, int]]] = []
         #: What every info held when learned (None too: torch posts nothing for those).
         self.held = [getattr(info, "buffer", None) for info in infos or ()]
 

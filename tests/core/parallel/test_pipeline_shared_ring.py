@@ -36,10 +36,14 @@ class Pair:
         self.writer = SharedRing(mmap.mmap(fd, os.fstat(fd).st_size), os.dup(doorbell), self.ours)
         os.close(fd)
 
+    def put(self, data: bytes, inline: bool = True) -> bool:
+        source = _tensor(data)
+        return self.writer.put(source.data_ptr(), len(data), inline)
+
     def take(self, nbytes: int) -> bytes:
-        into = memoryview(bytearray(nbytes))
-        self.reader.take(into, _read_exactly)
-        return into.tobytes()
+        into = torch.empty(nbytes, dtype=torch.uint8)
+        self.reader.take(into.data_ptr(), nbytes, _read_exactly)
+        return bytes(into.tolist())
 
     def close(self) -> None:
         self.ours.close()
@@ -53,6 +57,10 @@ def pair() -> Iterator[Pair]:
     made.close()
 
 
+def _tensor(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
 def _payload(nbytes: int, seed: int) -> bytes:
     return bytes((seed * 31 + i) % 251 for i in range(nbytes))
 
@@ -62,7 +70,7 @@ def test_messages_wrap_around_the_ring_whole_and_in_order(pair: Pair) -> None:
     sent: list[bytes] = []
     for seed, nbytes in enumerate(sizes):
         data = _payload(nbytes, seed)
-        assert pair.writer.put(memoryview(data))
+        assert pair.put(data)
         sent.append(data)
         if seed % 3 == 2:  # the reader lags behind by up to three messages
             while sent:
@@ -76,12 +84,12 @@ def test_messages_wrap_around_the_ring_whole_and_in_order(pair: Pair) -> None:
 def test_a_full_ring_takes_nothing_until_the_reader_frees_room(pair: Pair) -> None:
     data = _payload(1000, 7)
     puts = 0
-    while pair.writer.put(memoryview(data)):
+    while pair.put(data):
         puts += 1
     assert puts == 4  # 4096 bytes of records, each 1024 (1000 + the 16-byte header, padded)
-    assert not pair.writer.put(memoryview(data))
+    assert not pair.put(data)
     assert pair.take(1000) == data
-    assert pair.writer.put(memoryview(data))
+    assert pair.put(data)
     for _ in range(4):
         assert pair.take(1000) == data
 
@@ -89,10 +97,10 @@ def test_a_full_ring_takes_nothing_until_the_reader_frees_room(pair: Pair) -> No
 def test_a_payload_over_a_quarter_of_the_ring_goes_over_the_socket(pair: Pair) -> None:
     small, large = _payload(100, 1), _payload(5000, 2)
     assert pair.writer.fits_inline(len(small)) and not pair.writer.fits_inline(len(large))
-    assert pair.writer.put(memoryview(small))
-    assert pair.writer.put(memoryview(large), inline=False)  # its record only
+    assert pair.put(small)
+    assert pair.put(large, inline=False)  # its record only
     pair.ours.sendall(large)
-    assert pair.writer.put(memoryview(small))
+    assert pair.put(small)
     assert [pair.take(100), pair.take(5000), pair.take(100)] == [small, large, small]
 
 
@@ -101,7 +109,7 @@ def test_a_sleeping_reader_wakes_for_a_record(pair: Pair) -> None:
 
     def later() -> None:
         time.sleep(0.2)
-        pair.writer.put(memoryview(data))
+        pair.put(data)
 
     writer = threading.Thread(target=later)
     started = time.monotonic()
@@ -112,11 +120,11 @@ def test_a_sleeping_reader_wakes_for_a_record(pair: Pair) -> None:
 
 
 def test_a_message_of_another_size_fails_before_it_is_read(pair: Pair) -> None:
-    assert pair.writer.put(memoryview(_payload(16, 0)))
-    into = memoryview(bytearray(b"\xff" * 32))
+    assert pair.put(_payload(16, 0))
+    into = torch.full((32,), 255, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="16 bytes arrived for a 32-byte receive"):
-        pair.reader.take(into, _read_exactly)
-    assert into.tobytes() == b"\xff" * 32
+        pair.reader.take(into.data_ptr(), 32, _read_exactly)
+    assert into.tolist() == [255] * 32
 
 
 def test_a_reader_waiting_on_a_peer_that_ended_fails(pair: Pair) -> None:
