@@ -15,7 +15,9 @@ receive buffer). What a channel cannot take at once goes to its writer thread, b
 that peer's later sends queue. A pair's messages arrive in the order they were sent, as
 gloo matches them; each carries its length, so a mismatch fails loudly rather than filling
 a buffer with another message. The bytes are the tensor's own: results are bitwise those
-over gloo.
+over gloo. A send into a ring does not notice that the peer's process has ended (a socket
+write did); the next wait on that peer, or a send that finds its ring full, fails instead
+(every pipeline process waits on each of its neighbours within a step).
 
 Used by slipstream's pipeline runner over gloo when every process of the pipeline group
 runs on this machine and runs the runner (``PipelineRuntime`` decides, collectively, when
@@ -33,9 +35,7 @@ from __future__ import annotations
 
 import collections
 import functools
-import mmap
 import os
-import platform
 import queue
 import secrets
 import select
@@ -51,13 +51,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import shared_ring
 from .shared_ring import CLOSED as _CLOSED
-from .shared_ring import SharedRing, byte_view, ring_memory
+from .shared_ring import SharedRing, byte_view
 
 _HEADER = struct.Struct("<q")
-
-#: Bytes of records in each shared ring (a payload over a quarter of it goes over the socket).
-RING_BYTES = 4 << 20
 
 #: Channels per pipeline group (and the process that connected them: a forked child has
 #: none): connected once, used by every schedule built on the group since; dropped, and
@@ -239,13 +237,19 @@ class _Channel:
 
     def _put_when_room(self, address: int, nbytes: int, inline: bool) -> None:
         """(The writer thread.) Publish the bytes at ``address`` once the peer has read
-        enough of the ring (over the socket after their record when not ``inline``)."""
+        enough of the ring (over the socket after their record when not ``inline``),
+        looking again after a wait that doubles from 0.2 to 5 ms; raises once the peer's
+        process has ended (its end of the socket hung up: the room never comes)."""
         assert self.outbox is not None
+        # (Not by reading the socket: it also carries the peer's payloads, which only the
+        # computing thread reads.)
         ended = select.poll()  # (poll, not select: any file number)
-        ended.register(self.sock, select.POLLIN)
+        ended.register(self.sock, select.POLLRDHUP)
+        wait = 0.2
         while not self.outbox.put(address, nbytes, inline):
-            if ended.poll(0.5) and not self.sock.recv(1, socket.MSG_PEEK):
-                raise ConnectionError(_CLOSED)  # the reader is gone: the room never comes
+            if ended.poll(wait):  # (milliseconds) only a hang-up or an error wakes it
+                raise ConnectionError(_CLOSED)
+            wait = min(2 * wait, 5.0)
         if not inline:
             self.sock.sendall(byte_view(address, nbytes))
 
@@ -281,13 +285,16 @@ class _Writer:
 
     def _run(self) -> None:
         while True:
-            future, job, _tensor = self.queue.get()
+            future, job, tensor = self.queue.get()
             try:
                 job()
             except BaseException as error:  # handed to whoever waits on the send
                 future.set_exception(error)
             else:
                 future.set_result(None)
+            # Nothing kept while idle: a job holds its channel (and the channel its socket
+            # and rings), which go with the pipeline group.
+            del future, job, tensor
 
 
 def _send_without_blocking(sock: socket.socket, parts: list[memoryview]) -> list[memoryview]:
@@ -352,7 +359,7 @@ def local_channels(group: Any, wanted: bool) -> LocalChannels | None:
     # Abstract Unix addresses (no file on disk) exist on Linux only.
     here = (socket.gethostname(), _namespace(), bool(wanted) and sys.platform == "linux")
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (*here, _rings_possible()), group=group)
+    dist.all_gather_object(everyone, (*here, shared_ring.rings_possible()), group=group)
     if not all(entry[2] for entry in everyone) or len({entry[:2] for entry in everyone}) != 1:
         return None
     pid, channels = _CONNECTED.get(group, (None, None))
@@ -368,40 +375,6 @@ def _namespace() -> str:
         return os.readlink("/proc/self/ns/net")
     except OSError:
         return ""
-
-
-def _rings_possible() -> bool:
-    """Whether this process can share rings (shared_ring.py: x86-64's store order; memfd
-    and eventfd, Linux's)."""
-    return (
-        platform.machine().lower() in ("x86_64", "amd64")
-        and hasattr(os, "memfd_create")
-        and hasattr(os, "eventfd")
-    )
-
-
-def _rings(sockets: dict[int, socket.socket]) -> dict[int, tuple[SharedRing, SharedRing]]:
-    """(inbox, outbox) per peer: each process makes the ring it reads from and that ring's
-    doorbell, and hands both to the peer over their socket."""
-    made = {}
-    for peer, sock in sockets.items():
-        sock.settimeout(60.0)  # a peer that failed part way must not leave us waiting
-        fd, memory = ring_memory(RING_BYTES)
-        doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        socket.send_fds(sock, [b"R"], [fd, doorbell])
-        os.close(fd)  # (the mapping keeps the memory)
-        made[peer] = (memory, doorbell)
-    rings = {}
-    for peer, sock in sockets.items():
-        _, fds, _, _ = socket.recv_fds(sock, 1, 2)
-        if len(fds) != 2:
-            raise OSError("a pipeline peer did not hand over its shared ring")
-        memory, doorbell = made[peer]
-        their_memory = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
-        os.close(fds[0])
-        sock.settimeout(None)
-        rings[peer] = (SharedRing(memory, doorbell, sock), SharedRing(their_memory, fds[1], sock))
-    return rings
 
 
 def _connect(group: Any, rings: bool = False) -> LocalChannels | None:
@@ -445,10 +418,18 @@ def _connect(group: Any, rings: bool = False) -> LocalChannels | None:
         listener.close()
     shared: dict[int, tuple[SharedRing, SharedRing]] = {}
     if connected and rings:
-        try:
-            shared = _rings(sockets)
-        except OSError:  # (what was handed over part way would not line up: gloo stays)
-            connected = False
+        # Made everywhere first: where some process cannot, every process keeps the
+        # sockets alone, whose streams are still clean.
+        made = shared_ring.make_inboxes(list(sockets))
+        everyone = [None] * len(ranks)
+        dist.all_gather_object(everyone, made is not None, group=group)
+        if made is not None and not all(everyone):
+            shared_ring.close_inboxes(made)
+        elif made is not None:
+            try:
+                shared = shared_ring.exchange_rings(sockets, made)
+            except (OSError, ValueError):  # handed over part way: the streams would not
+                connected = False  # line up, so gloo stays
     everyone = [None] * len(ranks)
     dist.all_gather_object(everyone, connected, group=group)
     if not all(everyone):

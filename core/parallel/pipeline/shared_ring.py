@@ -21,6 +21,11 @@ to read sleeps on the doorbell, which the writer rings after every record (an ev
 counts the rings until they are read, so none is lost between the reader's last look and
 its sleep), and on the socket, which wakes it if the writer's process ends.
 
+A pair sets its rings up over its socket: each process makes the rings it will read from
+(:func:`make_inboxes`) and hands each to its peer (:func:`exchange_rings`, memfds and
+eventfds passed with ``SCM_RIGHTS``); local_transport.py does both, and falls back to the
+socket alone where a process cannot make them.
+
 Example (the reader's process made ``memory`` and ``doorbell`` and handed them over)::
 
     writer = SharedRing(memory, doorbell, sock)
@@ -35,6 +40,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import platform
 import select
 import socket
 import struct
@@ -81,7 +87,8 @@ class SharedRing:
 
     def __init__(self, memory: mmap.mmap, doorbell: int, sock: socket.socket) -> None:
         self.memory, self.sock = memory, sock
-        weakref.finalize(self, os.close, doorbell)
+        # Closed with the ring, not at exit (a daemon writer thread may still ring it).
+        weakref.finalize(self, os.close, doorbell).atexit = False
         self.view = memoryview(memory)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
         self.capacity = len(memory) - _RECORDS
@@ -177,3 +184,90 @@ class SharedRing:
                     1, socket.MSG_PEEK
                 ):
                     raise ConnectionError(CLOSED)
+
+
+#: Bytes of records in each shared ring (a payload over a quarter of it goes over the socket).
+RING_BYTES = 4 << 20
+
+
+def rings_possible() -> bool:
+    """Whether this process can share rings (x86-64's store order; memfd and eventfd,
+    Linux's)."""
+    return (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and hasattr(os, "memfd_create")
+        and hasattr(os, "eventfd")
+    )
+
+
+#: Per peer: (memfd, mapping, doorbell) of the ring this process reads from.
+Inboxes = dict[int, tuple[int, mmap.mmap, int]]
+
+
+def make_inboxes(peers: list[int]) -> Inboxes | None:
+    """(memfd, mapping, doorbell) of the ring this process reads from, per peer; None (and
+    nothing left open) where they cannot be made, e.g. at the limit of open files."""
+    made: Inboxes = {}
+    try:
+        for peer in peers:
+            fd, memory = ring_memory(RING_BYTES)
+            made[peer] = (fd, memory, -1)
+            made[peer] = (fd, memory, os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+    except OSError:
+        close_inboxes(made)
+        return None
+    return made
+
+
+def close_inboxes(made: Inboxes) -> None:
+    """Close what :func:`make_inboxes` made (when the rings will not be used)."""
+    for fd, memory, doorbell in made.values():
+        for descriptor in (fd, doorbell):
+            if descriptor >= 0:
+                os.close(descriptor)
+        memory.close()
+
+
+def exchange_rings(
+    sockets: dict[int, socket.socket], made: Inboxes
+) -> dict[int, tuple[SharedRing, SharedRing]]:
+    """(inbox, outbox) per peer: each process hands the ring it reads from and that ring's
+    doorbell to the peer over their socket, and maps the peer's. Raises OSError (with
+    nothing left open) if a peer did not hand its over within 60 s."""
+    theirs: dict[int, tuple[mmap.mmap, int]] = {}
+    try:
+        try:
+            for peer, sock in sockets.items():
+                sock.settimeout(60.0)  # a peer that failed part way must not leave us waiting
+                fd, _, doorbell = made[peer]
+                socket.send_fds(sock, [b"R"], [fd, doorbell])
+        finally:
+            for fd, _, _ in made.values():
+                os.close(fd)  # (handed over, or not needed: the mapping keeps the memory)
+        for peer, sock in sockets.items():
+            _, fds, _, _ = socket.recv_fds(sock, 1, 2, socket.MSG_CMSG_CLOEXEC)
+            try:
+                if len(fds) != 2:
+                    raise OSError("a pipeline peer did not hand over its shared ring")
+                theirs[peer] = (mmap.mmap(fds[0], os.fstat(fds[0]).st_size), fds[1])
+            except (OSError, ValueError):
+                for descriptor in fds:
+                    os.close(descriptor)
+                raise
+            os.close(fds[0])
+            sock.settimeout(None)
+    except (OSError, ValueError):
+        for memory, doorbell in theirs.values():
+            memory.close()
+            os.close(doorbell)
+        for _, memory, doorbell in made.values():
+            memory.close()
+            os.close(doorbell)
+        raise
+    return {
+        peer: (
+            SharedRing(made[peer][1], made[peer][2], sock),
+            SharedRing(theirs[peer][0], theirs[peer][1], sock),
+        )
+        for peer, sock in sockets.items()
+    }

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.parallel.pipeline import local_transport
+from slipstream.parallel.pipeline import local_transport, shared_ring
 from slipstream.parallel.pipeline.runtime import PipelineRuntime, resolve_plan
 from tests.distributed import run_distributed
 
@@ -102,23 +102,29 @@ def _large_sends_and_fallback() -> dict[str, Any]:
                 for a, b in zip(reference["gradients"], local["gradients"], strict=True)
             ),
         }
-    # One process that cannot share rings: the pair connects anew and every message goes
-    # over the sockets, with the same bits.
-    local_transport._CONNECTED.clear()
-    possible = local_transport._rings_possible
-    if dist.get_rank() == 1:
-        local_transport._rings_possible = lambda: False  # type: ignore[assignment]
-    reference, sockets = _train("1f1b", early=False), _train("1f1b", early=True)
-    local_transport._rings_possible = possible  # type: ignore[assignment]
-    results["sockets only"] = {
-        "local": sockets["local"],
-        "rings": sockets["rings"],
-        "same": torch.equal(reference["loss"], sockets["loss"])
-        and all(
-            torch.equal(a, b)
-            for a, b in zip(reference["gradients"], sockets["gradients"], strict=True)
-        ),
-    }
+    reference = _train("1f1b", early=False)
+    # One process that cannot share rings (not x86-64), or cannot make its rings (e.g. at
+    # its limit of open files): the pair connects anew and every message goes over the
+    # sockets, with the same bits.
+    for case, name, instead in (
+        ("sockets only", "rings_possible", lambda: False),
+        ("no rings made", "make_inboxes", lambda peers: None),
+    ):
+        local_transport._CONNECTED.clear()
+        kept = getattr(shared_ring, name)
+        if dist.get_rank() == 1:
+            setattr(shared_ring, name, instead)
+        sockets = _train("1f1b", early=True)
+        setattr(shared_ring, name, kept)
+        results[case] = {
+            "local": sockets["local"],
+            "rings": sockets["rings"],
+            "same": torch.equal(reference["loss"], sockets["loss"])
+            and all(
+                torch.equal(a, b)
+                for a, b in zip(reference["gradients"], sockets["gradients"], strict=True)
+            ),
+        }
     # One process that says it runs elsewhere: every process keeps gloo, and trains the same.
     if dist.get_rank() == 1:
         local_transport.socket.gethostname = lambda: "another-machine"  # type: ignore[assignment]
@@ -163,7 +169,7 @@ def test_sends_larger_than_the_socket_and_a_process_elsewhere():
         for name in ("1f1b", "interleaved_1f1b"):
             expected = {
                 "local": True,
-                "rings": local_transport._rings_possible(),
+                "rings": shared_ring.rings_possible(),
                 "routes": ROUTES[name][rank],
                 "receive_routes": _receive_routes(name, rank),
                 "no_grad": True,
@@ -171,6 +177,7 @@ def test_sends_larger_than_the_socket_and_a_process_elsewhere():
             }
             assert results[name] == expected, (rank, name)
         assert results["sockets only"] == {"local": True, "rings": False, "same": True}, rank
+        assert results["no rings made"] == {"local": True, "rings": False, "same": True}, rank
         assert results["elsewhere"] == {"local": False, "same": True}, rank
 
 

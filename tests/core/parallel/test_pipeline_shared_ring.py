@@ -17,11 +17,9 @@ import torch
 
 from slipstream.parallel.pipeline import local_transport
 from slipstream.parallel.pipeline.local_transport import _read_exactly
-from slipstream.parallel.pipeline.shared_ring import SharedRing, ring_memory
+from slipstream.parallel.pipeline.shared_ring import SharedRing, ring_memory, rings_possible
 
-pytestmark = pytest.mark.skipif(
-    not local_transport._rings_possible(), reason="shared rings need x86-64 Linux"
-)
+pytestmark = pytest.mark.skipif(not rings_possible(), reason="shared rings need x86-64 Linux")
 
 
 class Pair:
@@ -174,4 +172,27 @@ def test_a_send_waiting_for_room_fails_once_the_reader_is_gone() -> None:
     pair.theirs.close()
     with pytest.raises(ConnectionError, match="closed its connection"):
         waiting[-1].wait()
+    pair.ours.close()
+
+
+def test_a_send_waiting_for_room_ignores_the_peers_payloads_and_sees_its_end() -> None:
+    """The socket also carries the peer's payloads, read only by the computing thread: a
+    send waiting for room must neither take them for the peer's end nor miss that end."""
+    pair = Pair(4096)
+    sender = local_transport._Channel(pair.ours, 1, outbox=pair.writer)
+    pair.theirs.sendall(b"a payload of the peer's, unread here")
+    backlogs = [sender.send(torch.zeros(200)) for _ in range(6)]  # 4 fit
+    waiting = [backlog for backlog in backlogs if backlog is not None]
+    assert len(waiting) == 2
+    time.sleep(0.05)
+    assert not waiting[0].future.done()  # still waiting for room, not failed
+    for _ in range(2):  # the reader frees room for both
+        pair.take(800)
+    for backlog in waiting:
+        backlog.wait()
+    more = [sender.send(torch.zeros(200)) for _ in range(4)]  # the ring is full again
+    assert more[-1] is not None
+    pair.theirs.close()  # the peer ends with its payload still unread here
+    with pytest.raises(ConnectionError, match="closed its connection"):
+        more[-1].future.result(timeout=10)  # (a timeout, not a hang, if it were missed)
     pair.ours.close()
