@@ -93,15 +93,15 @@ class _ByteViews:
     def __init__(self) -> None:
         self.views: dict[tuple[int, int], tuple[memoryview, memoryview]] = {}
 
-    def of(self, tensor: torch.Tensor) -> tuple[memoryview, memoryview]:
-        """(the tensor's bytes, its message header: the length) for a contiguous CPU
-        tensor (the caller keeps the tensor alive while the view is used)."""
-        key = _place(tensor)
+    def at(self, address: int, nbytes: int) -> tuple[memoryview, memoryview]:
+        """(the bytes at ``address``, their message header: the length); whoever holds
+        the memory keeps it alive while the view is used."""
+        key = (address, nbytes)
         found = self.views.get(key)
         if found is None:
             if len(self.views) >= self.LIMIT:
                 self.views.clear()
-            found = self.views[key] = (byte_view(*key), memoryview(_HEADER.pack(key[1])))
+            found = self.views[key] = (byte_view(address, nbytes), memoryview(_HEADER.pack(nbytes)))
         return found
 
 
@@ -132,7 +132,8 @@ class _Receive:
             return
         # (Reads are one at a time per channel: its header buffer is reused.)
         channel = self.channel
-        sock, header, view = channel.sock, channel.header, channel.views.of(self.tensor)[0]
+        sock, header = channel.sock, channel.header
+        view = channel.views.at(self.address, self.nbytes)[0]
         # Header and data in one call when both are there (as a rule, by the time of the
         # wait). A message of another size fails here, before any further read, rather than
         # waiting for bytes that never come (what this call took may include the next
@@ -195,11 +196,10 @@ class _Channel:
         self.views = _ByteViews()
 
     def send(self, tensor: torch.Tensor) -> _Backlog | None:
-        outbox = self.outbox
+        outbox, (address, nbytes) = self.outbox, _place(tensor)
         if outbox is None:
-            data, header = self.views.of(tensor)
+            data, header = self.views.at(address, nbytes)
         else:
-            address, nbytes = _place(tensor)
             inline = outbox.fits_inline(nbytes)
         if self.backlog is None or self.backlog.done():
             if self.backlog is not None:

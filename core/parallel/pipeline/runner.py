@@ -261,8 +261,8 @@ class _Step:
         (local_transport.py), but torch's ``get_fwd_recv_ops``/``get_bwd_recv_ops`` build a
         ``P2POp`` per buffer, resolving its peer's rank through the process group: with
         every receive posted when the step starts, ~50 µs before the first forward on the
-        CPUs measured. A micro-batch's first receive goes through them and its buffers and
-        peers are kept; later steps post the same buffers directly while the stage still
+        CPUs measured. A micro-batch's first receive goes through them and its buffers, their
+        channels and places in memory are kept; later steps post the same buffers directly while the stage still
         holds them (torch makes new ones when it sets a stage up anew).
         """
         infos = (stage.args_recv_info if forward else stage.grad_recv_info).get(chunk)
@@ -273,12 +273,8 @@ class _Step:
         ops = stage.get_fwd_recv_ops(chunk) if forward else stage.get_bwd_recv_ops(chunk)
         posted = list(self.post(ops))
         if self.local:
-            route = _ReceiveRoute.of(infos, stage.has_backward, ops)
+            route = _ReceiveRoute.of(infos, stage.has_backward, posted)
             if route is not None:
-                # Each buffer's channel and place in memory (the same while the buffer is).
-                route.posts = [
-                    (work.channel, work.tensor, (work.address, work.nbytes)) for work in posted
-                ]
                 self.receive_routes[key] = route
         return posted
 
@@ -315,37 +311,35 @@ class _Step:
 
 
 class _ReceiveRoute:
-    """A micro-batch's receive buffers (each with the ``_RecvInfo`` holding it) and the
-    global rank each is received from, as torch's receive ops named them."""
+    """A micro-batch's receives over the local channels, as torch's receive ops posted
+    them: each one's channel, buffer (held by one of the stage's ``_RecvInfo``s) and place
+    in memory."""
 
-    __slots__ = ("buffers", "has_backward", "held", "infos", "posts")
+    __slots__ = ("has_backward", "held", "infos", "posts")
 
     def __init__(
-        self, infos: Any, has_backward: bool, buffers: list[tuple[Any, torch.Tensor, int]]
+        self, infos: Any, has_backward: bool, posts: list[tuple[Any, torch.Tensor, tuple[int, int]]]
     ) -> None:
-        self.infos, self.has_backward, self.buffers = infos, has_backward, buffers
+        self.infos, self.has_backward = infos, has_backward
         #: (channel, buffer, (address, length)) of each receive, in order
         #: (local_transport.py).
-        self.posts: list[tuple[Any, torch.Tensor, tuple[int, int]]] = []
+        self.posts = posts
         #: What every info held when learned (None too: torch posts nothing for those).
         self.held = [getattr(info, "buffer", None) for info in infos or ()]
 
     @classmethod
-    def of(cls, infos: Any, has_backward: bool, ops: list[Any]) -> _ReceiveRoute | None:
-        """From torch's receive ``ops`` for the stage's ``infos``; None where an op's
-        buffer is not a plain tensor one of the infos holds."""
-        holders = {
-            id(info.buffer): info
+    def of(cls, infos: Any, has_backward: bool, posted: list[Any]) -> _ReceiveRoute | None:
+        """From the receives torch's ops ``posted`` for the stage's ``infos``; None where
+        one's buffer is not a plain tensor one of the infos holds."""
+        held = {
+            id(info.buffer)
             for info in infos or ()
             if type(getattr(info, "buffer", None)) is torch.Tensor
         }
-        buffers = []
-        for op in ops:
-            info = holders.get(id(op.tensor))
-            if info is None:
-                return None
-            buffers.append((info, op.tensor, op.peer))
-        return cls(infos, has_backward, buffers)
+        if any(id(work.tensor) not in held for work in posted):
+            return None
+        posts = [(work.channel, work.tensor, (work.address, work.nbytes)) for work in posted]
+        return cls(infos, has_backward, posts)
 
     def matches(self, infos: Any, has_backward: bool) -> bool:
         """Whether the stage still receives into these buffers (the same infos object,

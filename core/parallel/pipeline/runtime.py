@@ -150,9 +150,9 @@ class PipelineRuntime:
 
     def _connect_locally(self) -> None:
         """Between processes on one machine the runner's transfers go through shared memory
-        and Unix sockets rather than gloo (local_transport.py): decided and connected together by every
-        process of the pipeline (a collective; the schedule may later be rebuilt on some
-        processes only, and keeps the channels)."""
+        and Unix sockets rather than gloo (local_transport.py): decided and connected
+        together by every process of the pipeline (a collective; the schedule may later be
+        rebuilt on some processes only, and keeps the channels)."""
         if "gloo" not in str(dist.get_backend(self.group)):  # (the same on every process)
             self.channels = None
             return

@@ -76,7 +76,10 @@ def _train(name: str, early: bool) -> dict[str, Any]:
         # The peer of each receive buffer of each (forward?, stage, micro-batch), and
         # whether the second step still found the same buffers.
         "receive_routes": {
-            key: ([peer for _, _, peer in route.buffers], route is runner.receive_routes[key])
+            key: (
+                [channel.peer for channel, _, _ in route.posts],
+                route is runner.receive_routes[key],
+            )
             for key, route in learned.items()
         },
         "loss": torch.stack(losses),
@@ -253,10 +256,15 @@ def test_a_receive_route_is_kept_only_while_the_stage_holds_its_buffers():
 
     a, b = torch.zeros(3), torch.zeros(2)
     infos = (SimpleNamespace(buffer=None), SimpleNamespace(buffer=a), SimpleNamespace(buffer=b))
-    ops = [SimpleNamespace(tensor=b, peer=1), SimpleNamespace(tensor=a, peer=2)]
-    route = _ReceiveRoute.of(infos, True, ops)
+
+    def posted(tensor: torch.Tensor, peer: int) -> Any:  # a receive as the channels post it
+        return SimpleNamespace(
+            tensor=tensor, channel=SimpleNamespace(peer=peer), address=0, nbytes=tensor.nbytes
+        )
+
+    route = _ReceiveRoute.of(infos, True, [posted(b, 1), posted(a, 2)])
     assert route is not None
-    assert [(buffer, peer) for _, buffer, peer in route.buffers] == [(b, 1), (a, 2)]
+    assert [(buffer, channel.peer) for channel, buffer, _ in route.posts] == [(b, 1), (a, 2)]
     assert route.matches(infos, True)
     assert not route.matches(infos, False)  # torch posts no gradient receives then
     assert not route.matches(tuple(list(infos)), True)  # set up anew: other infos
@@ -268,10 +276,10 @@ def test_a_receive_route_is_kept_only_while_the_stage_holds_its_buffers():
     assert not route.matches(infos, True)
     # A stage with no receive infos for the micro-batch (forward only: no gradients come).
     nothing = _ReceiveRoute.of(None, False, [])
-    assert nothing is not None and nothing.buffers == [] and nothing.matches(None, False)
+    assert nothing is not None and nothing.posts == [] and nothing.matches(None, False)
     assert not nothing.matches(None, True)
-    # An op into a tensor no info holds: torch's ops are used every time.
-    assert _ReceiveRoute.of(infos, True, [SimpleNamespace(tensor=torch.zeros(1), peer=1)]) is None
+    # A receive into a tensor no info holds: torch's ops are used every time.
+    assert _ReceiveRoute.of(infos, True, [posted(torch.zeros(1), 1)]) is None
 
 
 def test_the_runner_splits_only_plain_tensor_targets_itself():
