@@ -111,10 +111,12 @@ class Slipstream(HandWritten):
 
         return Accelerator
 
+    handlers: tuple[Any, ...] = ()
+
     def __init__(self, width: int, layers: int, steps: int) -> None:
         # cpu=True: without it Accelerate on a machine with no GPU silently
         # trains each process alone (DistributedType.NO, no gradient all-reduce).
-        self.accelerator = self.accelerator_class()(cpu=True)
+        self.accelerator = self.accelerator_class()(cpu=True, kwargs_handlers=list(self.handlers))
         model = _model(width, layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         loader = DataLoader(
@@ -130,6 +132,19 @@ class Slipstream(HandWritten):
 
     def weights(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.accelerator.unwrap_model(self.model).parameters()]
+
+
+class SlipstreamGloo(Slipstream):
+    """slipstream with DDP's own all-reduce over gloo (its shared-memory one turned off): the
+    cost of slipstream's Python alone, on the same communication as the hand-written loop."""
+
+    name = "slipstream (gloo)"
+
+    def __init__(self, width: int, layers: int, steps: int) -> None:
+        from slipstream import DistributedDataParallelKwargs
+
+        self.handlers = (DistributedDataParallelKwargs(shared_memory_all_reduce=False),)
+        super().__init__(width, layers, steps)
 
 
 class HFAccelerate(Slipstream):
@@ -173,7 +188,7 @@ class Fabric(Slipstream):
 
 
 def _variants() -> list[type[HandWritten]]:
-    variants: list[type[HandWritten]] = [HandWritten, Slipstream, Control]
+    variants: list[type[HandWritten]] = [HandWritten, Slipstream, SlipstreamGloo, Control]
     if importlib.util.find_spec("accelerate"):
         variants.append(HFAccelerate)
     if importlib.util.find_spec("lightning"):

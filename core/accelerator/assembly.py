@@ -141,6 +141,7 @@ def build_strategy(
                 comm_hook=ddp.comm_hook,
                 comm_wrapper=ddp.comm_wrapper,
                 comm_state_option=ddp.comm_state_option,
+                shared_memory_all_reduce=ddp.shared_memory_all_reduce,
             )
     elif name in ("fsdp", "model_parallel"):
         from ..strategies.fsdp_plugin import FullyShardedDataParallelPlugin

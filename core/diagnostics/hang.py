@@ -235,6 +235,7 @@ class HangWatchdog:
     # -- answering ------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """This process's account: where it is, its last collectives, its step."""
+        from ..runtime import shared_memory_all_reduce
         from .flight_recorder import read_flight_recorder  # loaded by start()
         from .stacks import thread_stack
 
@@ -251,6 +252,7 @@ class HangWatchdog:
             "stack": thread_stack(),
             "collectives": COLLECTIVES.to_list(),
             "torch_collectives": read_flight_recorder(),
+            "shared_memory_collectives": shared_memory_all_reduce.collectives(),
             "project_dir": self.project_dir(),
         }
 

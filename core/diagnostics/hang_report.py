@@ -3,7 +3,8 @@ processes that are behind or elsewhere, and where in the user's code they are.
 
 Each process's account (a "dump", written by :mod:`slipstream.diagnostics.hang`) holds its
 main thread's stack, the last collectives it entered (torch's Flight Recorder where there is
-one, else slipstream's own log) and its step. The analysis, for every group some processes
+one, else slipstream's own log; with DDP's all-reduce through shared memory, its last
+exchange) and its step. The analysis, for every group some processes
 wait in:
 
 * a member that never entered the collective the others wait in is **behind** (it sleeps,
@@ -125,6 +126,11 @@ def read_accounts(dumps: Mapping[int, Mapping[str, Any]]) -> tuple[dict[int, Acc
             key = _group_key(entry)
             account.entered[key] = max(account.entered.get(key, 0), int(entry["seq"]))
             account.history.append((str(entry["op"]), str(entry.get("site", "?"))))
+        # DDP's all-reduce through shared memory, which no recorder sees: the reducer's last
+        # exchange (not part of the history: its place among the others is not known).
+        shared = list(dump.get("shared_memory_collectives") or [])
+        for entry in shared:
+            account.entered[_group_key(entry)] = int(entry["seq"])
         pending = [
             e
             for e in entries
@@ -135,6 +141,7 @@ def read_accounts(dumps: Mapping[int, Mapping[str, Any]]) -> tuple[dict[int, Acc
             # torch retires a collective it timed out; slipstream's log still has it open,
             # and it is the last one torch entered.
             pending = [entries[-1]]
+        pending += [entry for entry in shared if entry.get("pending")]
         if pending:
             last = pending[-1]
             account.waiting = Waiting(

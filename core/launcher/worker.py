@@ -32,6 +32,7 @@ _PEER_FAILURE_MARKERS = (
     "Broken pipe",
     "NCCL communicator was aborted",
     "failed to recv, got 0 bytes",
+    "ended during the shared-memory all-reduce",  # (slipstream.runtime.shared_memory_all_reduce)
 )
 #: How long a rank hit by a peer's failure waits for the launcher to stop it, so the peer's
 #: own traceback (the real cause) is the one reported.

@@ -53,7 +53,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
     """Options forwarded to ``torch.nn.parallel.DistributedDataParallel``, and the
     gradient-communication hook to register on it (``comm_hook``, optionally wrapped by
     ``comm_wrapper`` to cast PowerSGD's traffic to fp16/bf16; ``comm_state_option`` are the
-    hook's state options).
+    hook's state options). Without a hook, CPU processes on one machine average their
+    gradients through shared memory (``shared_memory_all_reduce=False`` keeps gloo's).
 
     Example::
 
@@ -71,6 +72,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_hook: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
     comm_wrapper: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
     comm_state_option: dict[str, Any] = field(default_factory=dict)
+    #: slipstream's: CPU processes on one machine (x86-64 Linux) average the gradients
+    #: through shared memory instead of gloo's loopback TCP (the same sums; a tiny model's
+    #: step about 3 times faster). Used only where no ``comm_hook`` is set; False keeps gloo.
+    shared_memory_all_reduce: bool = True
 
     def __post_init__(self) -> None:
         self.comm_hook = _hook_type(self.comm_hook, "comm_hook")
@@ -92,7 +97,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     def ddp_options(self) -> dict[str, Any]:
         """The non-default options of ``DistributedDataParallel`` itself (no hook fields)."""
-        hook_fields = ("comm_hook", "comm_wrapper", "comm_state_option")
+        hook_fields = ("comm_hook", "comm_wrapper", "comm_state_option", "shared_memory_all_reduce")
         return {k: v for k, v in self.to_kwargs().items() if k not in hook_fields}
 
 

@@ -17,7 +17,9 @@ class DDPStrategy(Strategy):
 
     Options are those of :class:`~slipstream.utils.DistributedDataParallelKwargs`; its
     ``comm_hook`` (with ``comm_wrapper`` and ``comm_state_option``) is registered on every
-    wrapped model.
+    wrapped model. Without one, CPU processes that all run on one machine average the
+    gradients through shared memory (:mod:`slipstream.runtime.shared_memory_all_reduce`)
+    unless ``shared_memory_all_reduce=False``.
     """
 
     name: ClassVar[str] = "ddp"
@@ -29,9 +31,11 @@ class DDPStrategy(Strategy):
         comm_hook: Any = None,
         comm_wrapper: Any = None,
         comm_state_option: dict[str, Any] | None = None,
+        shared_memory_all_reduce: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(state, **options)
+        self.shared_memory_all_reduce = shared_memory_all_reduce
         from ..options.kwargs import DDPCommunicationHookType as Hook
 
         self.comm_hook = Hook(comm_hook or Hook.NO)
@@ -64,9 +68,31 @@ class DDPStrategy(Strategy):
         share_router_statistics(model, self.state)
         device = self.state.device
         device_ids = [device.index or 0] if device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.options)
-        self._register_comm_hook(wrapped)
-        return wrapped
+        reducer = self._shared_memory_all_reduce()
+        if reducer is None:
+            wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.options)
+            self._register_comm_hook(wrapped)
+            return wrapped
+        from .ddp_shared_memory import SharedMemoryDDP
+
+        shared = SharedMemoryDDP(model, device_ids=device_ids, **self.options)
+        shared.average_through(reducer)
+        return shared
+
+    def _shared_memory_all_reduce(self) -> Any:
+        """The processes' shared-memory all-reduce for DDP's gradients, or None (gloo's)."""
+        from ..options.kwargs import DDPCommunicationHookType as Hook
+
+        if (
+            not self.shared_memory_all_reduce
+            or self.comm_hook is not Hook.NO
+            or self.state.device.type != "cpu"
+        ):
+            return None
+        from ..runtime.shared_memory_all_reduce import shared_memory_all_reduce
+
+        # A collective the first time: every process wraps the same models in turn.
+        return shared_memory_all_reduce()
 
     def _register_comm_hook(self, model: nn.Module) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook

@@ -163,6 +163,23 @@ def test_undecidable_sides_are_both_named():
     assert named == [0, 1] and text.count("disagrees with the others") == 2, text
 
 
+def test_a_process_behind_in_the_shared_memory_all_reduce_is_named():
+    # DDP's gradients through shared memory: torch's recorder has only the metric reduces;
+    # each reducer says how many exchanges it entered and whether it waits in one.
+    def dump(rank: int, exchanges: int, waiting: bool, line: int) -> dict:
+        metric = [_entry(i, "all_reduce", 12) for i in range(1, 4)]
+        shared = {"seq": exchanges, "op": "all_reduce (shared memory)", "group": "shared memory",
+                  "group_desc": "DDP's gradients", "data": "float32[72]", "pending": waiting}  # fmt: skip
+        return {**_dump(rank, metric, line), "shared_memory_collectives": [shared]}
+
+    dumps = {r: dump(r, 4, True, 10) for r in (0, 1, 3)}
+    dumps[2] = dump(2, 3, False, 11)
+    text, named = build_report(dumps, 4, {"rank": 0, "reason": "r"})
+    assert named == [2], text
+    assert "rank 2 is behind: it has not reached all_reduce (shared memory) #4" in text
+    assert "/job/train.py:11" in text
+
+
 def test_a_silent_process_is_named_with_its_pid():
     waiting = [*_history(2), _entry(5, "all_reduce", 10, True, size=72)]
     dumps = {r: _dump(r, waiting, 10) for r in (0, 1, 3)}

@@ -147,13 +147,16 @@ def test_the_agents_own_lines_show_when_asked_for(tmp_path: Path):
 
 
 # Rank 1 skips a reduce at step 2: rank 0 waits in it while rank 1's next backward starts
-# DDP's all-reduce; gloo notices the sizes differ and aborts rank 0 (SIGABRT).
+# DDP's all-reduce; gloo notices the sizes differ and aborts rank 0 (SIGABRT). (DDP's
+# all-reduce over gloo: through shared memory it never meets the reduce, and the mismatch is
+# a hang, which the hang report names: tests/core/diagnostics/test_hang.py.)
 SKIPPED_COLLECTIVE = textwrap.dedent(
     """
     import torch
-    from slipstream import Accelerator
+    from slipstream import Accelerator, DistributedDataParallelKwargs
 
-    accelerator = Accelerator()
+    gloo = DistributedDataParallelKwargs(shared_memory_all_reduce=False)
+    accelerator = Accelerator(kwargs_handlers=[gloo])
     model = torch.nn.Linear(4, 1)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for step in range(4):
@@ -174,7 +177,7 @@ def test_a_skipped_collective_names_each_process_last_collective(tmp_path: Path)
     assert result.returncode != 0
     err = result.stderr
     assert "a crash in native code" in err, err
-    site = f"{script}:14"
+    site = f"{script}:15"
     assert f"rank 0: inside reduce #3 (float32[]) at {site}, after step 3" in err, err
     assert f"rank 1: last finished reduce #2 (float32[]) at {site}, after step 3" in err, err
     assert "rerun with `slipstream launch --debug`" in err
