@@ -16,7 +16,13 @@ Why the warm-up step: the first step after a *different* library's loop ran is s
 every library (Python re-adapts its specialised bytecode to the other objects, caches are
 cold): in a real run one loop runs alone, so that switching cost is not part of its step.
 
-    python benchmarks/ddp_overhead.py            # tiny and medium model
+On CPU processes slipstream averages DDP's gradients through shared memory
+(slipstream.runtime.shared_memory_all_reduce); "slipstream (gloo)" is the same loop with
+DDP's own all-reduce over gloo, as the hand-written loop's: slipstream's Python alone. The
+all-reduce itself is timed apart first, alternately over gloo and through shared memory
+(the same tensor, 8 KB to 24 MB, each call after a barrier; medians).
+
+    python benchmarks/ddp_overhead.py            # the all-reduce, tiny and medium model
     python benchmarks/ddp_overhead.py --size tiny
     python benchmarks/ddp_overhead.py --quick    # smoke test
 """
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -232,18 +240,67 @@ def worker(size: str, generations: int, rounds: int, timed: int) -> None:
     dist.destroy_process_group()
 
 
+#: (bytes, calls divided by): the larger sizes take many times longer per call.
+ALL_REDUCE_SIZES = ((8 << 10, 1), (2 << 20, 10), (24 << 20, 30))
+
+
+def all_reduce_worker(calls: int) -> None:
+    """Median time of one all-reduce over gloo and through shared memory, per size."""
+    from slipstream.runtime.shared_memory_all_reduce import shared_memory_all_reduce
+
+    dist.init_process_group("gloo")
+    reducer = shared_memory_all_reduce()
+    if reducer is None:
+        raise SystemExit("the shared-memory all-reduce is not possible here (x86-64 Linux only)")
+    rows = []
+    for nbytes, fewer in ALL_REDUCE_SIZES:
+        tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+        by_gloo, shared = tensor.clone(), tensor.clone()
+        dist.all_reduce(by_gloo)
+        reducer.all_reduce(shared)
+        times: dict[str, list[float]] = {"gloo": [], "shared memory": []}
+        for _ in range(max(3, calls // fewer)):
+            for name, run in (("gloo", dist.all_reduce), ("shared memory", reducer.all_reduce)):
+                dist.barrier()
+                start = time.perf_counter()
+                run(tensor)
+                times[name].append(time.perf_counter() - start)
+        rows.append(
+            {
+                "bytes": nbytes,
+                "gloo": statistics.median(times["gloo"]),
+                "shared": statistics.median(times["shared memory"]),
+                "equal": bool(torch.equal(by_gloo, shared)),
+            }
+        )
+    if dist.get_rank() == 0:
+        workers.report({"rows": rows})
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", choices=sorted(SIZES))
+    parser.add_argument("--worker", choices=[*sorted(SIZES), "all_reduce"])
+    parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--generations", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--timed", type=int, help="timed steps per variant and round")
     parser.add_argument("--size", choices=[*SIZES, "all"], default="all")
     args = parser.parse_args()
+    if args.worker == "all_reduce":
+        all_reduce_worker(args.calls)
+        return
     if args.worker:
         worker(args.worker, args.generations, args.rounds, args.timed)
         return
+    calls = ["--calls", "20"] if args.quick else []
+    for row in workers.run_workers(__file__, ["--worker", "all_reduce", *calls])[0]["rows"]:
+        print(
+            f"all_reduce {row['bytes']:>9d} B: shared memory {row['shared'] * 1e6:8.1f} us vs "
+            f"gloo {row['gloo'] * 1e6:8.1f} us  ratio {row['shared'] / row['gloo']:.3f}x  "
+            f"(sums {'equal' if row['equal'] else 'DIFFER'})"
+        )
     sizes = list(SIZES) if args.size == "all" else [args.size]
     for size in ["tiny"] if args.quick else sizes:
         generations, rounds, timed = (1, 2, 2) if args.quick else ROUNDS[size]

@@ -43,6 +43,8 @@ SCRIPTS = [
 # step" means a different target in ddp_overhead.py than in tp_overhead.py.
 TARGETS = [
     ("ddp_overhead.py", r"slipstream step", 1.01),
+    # slipstream's Python alone: the same loop with DDP's all-reduce over gloo.
+    ("ddp_overhead.py", r"slipstream \(gloo\) step", 1.01),
     ("tp_overhead.py", r"slipstream step", 1.02),
     ("pp_overhead.py", r"slipstream step", 1.02),
     ("ep_overhead.py", r"slipstream step", 1.02),

@@ -191,7 +191,9 @@ def _where(account: Account) -> str:
         return "it finished its script and waits at exit"
     waiting = account.waiting
     if waiting is not None:
-        return f"it waits in {waiting.op} #{waiting.seq} of group {waiting.group} at {waiting.site}"
+        # (The shared-memory all-reduce records no call site: the stack has it.)
+        site = waiting.site if waiting.site != "?" else _describe_site(account)
+        return f"it waits in {waiting.op} #{waiting.seq} of group {waiting.group} at {site}"
     return "it is at " + format_frame(account.frame)
 
 

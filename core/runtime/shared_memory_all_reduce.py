@@ -57,8 +57,10 @@ _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not _PRIVATE): the futex lives in a s
 _SYS_FUTEX_X86_64 = 202
 #: How long a sleeping wait lasts before it looks at its peers' processes again.
 _CHECK_SECONDS = 0.05
-#: Reads of a count before sleeping (~30 µs), where every process can have a core.
-_SPINS = 500
+#: Reads of a count before sleeping (~0.3 ms), where every process can have a core: on a
+#: tiny model's 2-process step (benchmarks/README.md) 5000 gave 165 µs, none 180-190 µs, and
+#: 1000 (~65 µs, often just short of the peer) 213-219 µs.
+_SPINS = 5000
 
 
 class _Timespec(ctypes.Structure):
