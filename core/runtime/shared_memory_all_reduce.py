@@ -32,7 +32,6 @@ Example (a collective: every process of the group calls it; None where it cannot
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
@@ -179,6 +178,7 @@ class SharedMemoryAllReduce:
         self.exchanges += 1
         self.counts[self.rank].value = self.exchanges & 0x7FFFFFFF
         _futex(_SYS_FUTEX_X86_64, self.addresses[self.rank], _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        deadline = 0.0  # (the group's timeout counts once per exchange, from the first sleep)
         for peer, count in enumerate(self.counts):
             # A peer's count is `before` until it arrives; it can be one further already
             # (it arrived, saw everyone, and went on to its next exchange), never two.
@@ -188,18 +188,18 @@ class SharedMemoryAllReduce:
             while spins and count.value == before:
                 spins -= 1
             if count.value == before:
-                self._sleep_until_moved(peer, before)
+                deadline = deadline or time.monotonic() + self.timeout
+                self._sleep_until_moved(peer, before, deadline)
 
-    def _sleep_until_moved(self, peer: int, before: int) -> None:
+    def _sleep_until_moved(self, peer: int, before: int, deadline: float) -> None:
         self.waiting = True
         try:
-            self._sleep(peer, before)
+            self._sleep(peer, before, deadline)
         finally:
             self.waiting = False
 
-    def _sleep(self, peer: int, before: int) -> None:
+    def _sleep(self, peer: int, before: int, deadline: float) -> None:
         count, address = self.counts[peer], self.addresses[peer]
-        deadline = time.monotonic() + self.timeout
         while count.value == before:
             _futex(_SYS_FUTEX_X86_64, address, _FUTEX_WAIT, before, _CHECK_AFTER_ADDRESS, None, 0)
             if count.value != before:
@@ -223,13 +223,6 @@ class SharedMemoryAllReduce:
         # A copied or unpickled DDP model rebuilds its reducer without its hooks (torch's
         # __setstate__), so what it keeps of this object is never called: nothing to carry.
         return _left_behind, ()
-
-    def close(self) -> None:
-        self.slots = []
-        self.counts = []
-        self.sizes = []
-        with contextlib.suppress(BufferError):
-            self.memory.close()
 
 
 def _left_behind() -> None:
@@ -304,7 +297,9 @@ def collectives() -> list[dict[str, Any]]:
 
 def _make(group: Any, slot_bytes: int) -> SharedMemoryAllReduce | None:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    here = (socket.gethostname(), _pid_namespace(), possible(), os.getpid())
+    if world < 2:
+        return None
+    here = (_machine(), _pid_namespace(), possible(), os.getpid())
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, here, group=group)
     if not all(entry[2] for entry in everyone) or len({entry[:2] for entry in everyone}) != 1:
@@ -363,6 +358,15 @@ def _open(pid: int, fd: int, token: bytes, size: int) -> mmap.mmap | None:
         memory.close()
         return None
     return memory
+
+
+def _machine() -> str:
+    """This machine: its host name and its boot (containers may share a host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{socket.gethostname()} {boot.read().strip()}"
+    except OSError:
+        return socket.gethostname()
 
 
 def _pid_namespace() -> str:

@@ -41,9 +41,12 @@ def slot_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[t
 def mean_hook(
     state: SharedMemoryAllReduce, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """The bucket's mean over the processes, as DDP's own all-reduce computes it (divided
-    by the number of processes, then summed)."""
+    """The bucket's mean over the processes, as torch's default hook computes it (divided by
+    the number of processes, then summed; with two processes DDP's own bits). A bucket of
+    sparse gradients (``nn.Embedding(sparse=True)``) goes over gloo, as it would without."""
     buffer = bucket.buffer()
+    if buffer.layout is not torch.strided:
+        return _mean_over_gloo(None, bucket)
     buffer.div_(state.world)
     state.all_reduce(buffer)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -77,7 +80,10 @@ class SharedMemoryDDP(DistributedDataParallel):
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """torch's ``register_comm_hook``: ``hook`` replaces the shared-memory mean (once,
         as in torch)."""
-        slot = self._slipstream_slot
+        slot = getattr(self, "_slipstream_slot", None)
+        if slot is None:  # DDP's own constructor registering one (mixed_precision)
+            super().register_comm_hook(state, hook)
+            return
         if slot.taken:
             raise RuntimeError(
                 "register_comm_hook or register_builtin_comm_hook can only be called once."
@@ -87,6 +93,31 @@ class SharedMemoryDDP(DistributedDataParallel):
             self.logger._set_comm_hook_name(hook.__qualname__)
         self._comm_hooks.append((hook, state))
         slot.hook, slot.state, slot.taken = hook, state, True
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hooks, as the Python hooks they stand for (DDP takes one hook,
+        and the slot holds it)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }
+        if comm_hook_type not in hooks:
+            raise ValueError(f"unknown built-in communication hook {comm_hook_type!r}")
+        self.register_comm_hook(None, hooks[comm_hook_type])
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's ``join``; ``divide_by_initial_world_size=False`` needs DDP's own
+        all-reduce (with any communication hook torch divides by the initial size)."""
+        divide = kwargs.get("divide_by_initial_world_size", args[0] if args else True)
+        if not divide:
+            raise ValueError(
+                "join(divide_by_initial_world_size=False) needs DDP's own all-reduce, which a "
+                "communication hook replaces (also slipstream's shared-memory one): prepare "
+                "with DistributedDataParallelKwargs(shared_memory_all_reduce=False)"
+            )
+        return super().join(*args, **kwargs)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A copy (or an unpickled model) gets a new reducer, without hooks: give it the slot

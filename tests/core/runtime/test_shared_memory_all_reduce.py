@@ -239,7 +239,29 @@ def _hooks_and_copies() -> dict[str, object]:
         twice = "no error"
     except RuntimeError as error:
         twice = str(error)
+    try:
+        with model.join(divide_by_initial_world_size=False):
+            joined = "no error"
+    except ValueError as error:
+        joined = str(error)
+    builtin = accelerator.prepare(nn.Linear(4, 4))
+    builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    builtin(x).sum().backward()
+    # Sparse gradients go over gloo (every process alike), as without the shared memory.
+    sparse = {}
+    for shared_memory in (True, False):
+        options = DistributedDataParallelKwargs(shared_memory_all_reduce=shared_memory)
+        torch.manual_seed(0)
+        embedding = nn.Embedding(10, 3, sparse=True)
+        prepared = Accelerator(cpu=True, kwargs_handlers=[options]).prepare(embedding)
+        indices = torch.tensor([accelerator.process_index, 5])
+        prepared(indices).sum().backward()
+        sparse[shared_memory] = prepared.module.weight.grad.to_dense()
     return {
+        "joined": joined,
+        "builtin": [hook.__name__ for hook, _ in builtin._comm_hooks],
+        "builtin_grad": builtin.module.weight.grad.clone(),
+        "sparse_equal": torch.equal(sparse[True], sparse[False]),
         "copies_average": copies_average,
         "calls": calls,
         "zeroed": zeroed,
@@ -249,8 +271,25 @@ def _hooks_and_copies() -> dict[str, object]:
 
 
 def test_a_scripts_own_hook_replaces_the_mean_and_copies_keep_it() -> None:
-    for result in run_distributed(_hooks_and_copies):
+    results = run_distributed(_hooks_and_copies)
+    for result in results:
         assert result["copies_average"]
         assert result["calls"] == ["mine"] and result["zeroed"]
         assert "can only be called once" in result["twice"]
         assert "zeros" in result["name"]
+        assert "shared_memory_all_reduce=False" in result["joined"]
+        assert result["builtin"] == ["allreduce_hook"]
+        assert torch.equal(result["builtin_grad"], results[0]["builtin_grad"])
+        assert result["sparse_equal"]
+
+
+def _alone() -> bool:
+    dist.init_process_group("gloo")  # (an Accelerator on one process makes no group)
+    try:
+        return shared.shared_memory_all_reduce() is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_process_has_nothing_to_share() -> None:
+    assert run_distributed(_alone, world_size=1) == [True]
