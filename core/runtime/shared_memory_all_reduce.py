@@ -66,18 +66,19 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("seconds", ctypes.c_long), ("nanoseconds", ctypes.c_long)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_futex = _libc.syscall
-_futex.restype = ctypes.c_long
-_futex.argtypes = [
-    ctypes.c_long,
-    ctypes.c_void_p,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-    ctypes.c_int,
-]
+_futex: Any = None
+if sys.platform == "linux":  # (the C library's handle; elsewhere this module is not used)
+    _futex = ctypes.CDLL(None, use_errno=True).syscall
+    _futex.restype = ctypes.c_long
+    _futex.argtypes = [
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
 _CHECK_AFTER = _Timespec(0, int(_CHECK_SECONDS * 1e9))
 _CHECK_AFTER_ADDRESS = ctypes.addressof(_CHECK_AFTER)
 
