@@ -4,6 +4,7 @@ job ends with exit code 86 leaving no process behind."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -59,10 +60,13 @@ def check_report(stderr: str, project: Path, mode: str, culprit: int, finished: 
      ("ddp", 2)],
 )  # fmt: skip
 def test_the_report_names_the_process_and_its_line(tmp_path: Path, mode: str, world: int):
-    result = run_cli(
-        "launch", "-n", str(world), "--cpu", str(JOB), mode, str(TIMEOUT), str(tmp_path),
-        timeout=120,
-    )  # fmt: skip
+    try:
+        result = run_cli(
+            "launch", "-n", str(world), "--cpu", str(JOB), mode, str(TIMEOUT), str(tmp_path),
+            timeout=120,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as error:  # what the job said, to see where it stuck
+        pytest.fail(f"the job did not end in 120 s; it wrote:\n{error.output}\n{error.stderr}")
     finished = time.time()
     assert result.returncode == HANG_EXIT_CODE, result.stderr
     report = check_report(result.stderr, tmp_path, mode, world - 1, finished)
