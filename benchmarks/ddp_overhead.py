@@ -119,12 +119,16 @@ class Slipstream(HandWritten):
 
         return Accelerator
 
-    handlers: tuple[Any, ...] = ()
+    @staticmethod
+    def kwargs_handlers() -> list[Any]:
+        return []
 
     def __init__(self, width: int, layers: int, steps: int) -> None:
         # cpu=True: without it Accelerate on a machine with no GPU silently
         # trains each process alone (DistributedType.NO, no gradient all-reduce).
-        self.accelerator = self.accelerator_class()(cpu=True, kwargs_handlers=list(self.handlers))
+        self.accelerator = self.accelerator_class()(
+            cpu=True, kwargs_handlers=self.kwargs_handlers()
+        )
         model = _model(width, layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         loader = DataLoader(
@@ -148,11 +152,11 @@ class SlipstreamGloo(Slipstream):
 
     name = "slipstream (gloo)"
 
-    def __init__(self, width: int, layers: int, steps: int) -> None:
+    @staticmethod
+    def kwargs_handlers() -> list[Any]:
         from slipstream import DistributedDataParallelKwargs
 
-        self.handlers = (DistributedDataParallelKwargs(shared_memory_all_reduce=False),)
-        super().__init__(width, layers, steps)
+        return [DistributedDataParallelKwargs(shared_memory_all_reduce=False)]
 
 
 class HFAccelerate(Slipstream):

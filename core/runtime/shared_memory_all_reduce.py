@@ -84,7 +84,8 @@ _CHECK_AFTER_ADDRESS = ctypes.addressof(_CHECK_AFTER)
 
 
 def possible() -> bool:
-    """Whether this process can take part (x86-64 Linux: its store order, memfd, futex)."""
+    """Whether this process can share memory whose stores other processes see in order:
+    x86-64 Linux (its total store order, memfd, futex). Also the pipeline's rings' test."""
     return (
         sys.platform == "linux"
         and platform.machine().lower() in ("x86_64", "amd64")
@@ -261,19 +262,23 @@ def shared_memory_all_reduce(
     Linux, or unable to map another's memory. A collective over ``group`` (default: all
     processes); every process gets the same answer."""
     group = group if group is not None else dist.group.WORLD
-    made = _MADE.get(group)
-    if made is not None and made[0] == os.getpid():
-        return made[1]
-    reducer = _make(group, slot_bytes)
-    _MADE[group] = (os.getpid(), reducer)
-    return reducer
+    made = _made_here(group)
+    if made is None:
+        made = _MADE[group] = (os.getpid(), _make(group, slot_bytes))
+    return made[1]
 
 
 def cached(group: Any = None) -> SharedMemoryAllReduce | None:
     """The all-reduce :func:`shared_memory_all_reduce` made for ``group`` in this process,
     if any (not a collective)."""
-    made = _MADE.get(group if group is not None else dist.group.WORLD)
-    return made[1] if made is not None and made[0] == os.getpid() else None
+    made = _made_here(group if group is not None else dist.group.WORLD)
+    return made[1] if made is not None else None
+
+
+def _made_here(group: Any) -> tuple[int, SharedMemoryAllReduce | None] | None:
+    """What this process made for ``group`` (a forked child made nothing yet)."""
+    made = _MADE.get(group)
+    return made if made is not None and made[0] == os.getpid() else None
 
 
 def collectives() -> list[dict[str, Any]]:

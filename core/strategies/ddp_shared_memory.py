@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..runtime.shared_memory_all_reduce import SharedMemoryAllReduce, cached
@@ -46,7 +47,7 @@ def mean_hook(
     sparse gradients (``nn.Embedding(sparse=True)``) goes over gloo, as it would without."""
     buffer = bucket.buffer()
     if buffer.layout is not torch.strided:
-        return _mean_over_gloo(None, bucket)
+        return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # (the default group)
     buffer.div_(state.world)
     state.all_reduce(buffer)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -60,12 +61,6 @@ for _hook in (slot_hook, mean_hook):
     _hook.__annotations__.update(
         bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]}
     )
-
-
-def _mean_over_gloo(state: None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    return allreduce_hook(None, bucket)  # type: ignore[arg-type]
 
 
 class SharedMemoryDDP(DistributedDataParallel):
@@ -127,5 +122,5 @@ class SharedMemoryDDP(DistributedDataParallel):
         slot = self._slipstream_slot
         if not slot.taken:
             reducer = cached()
-            slot.hook, slot.state = (mean_hook, reducer) if reducer else (_mean_over_gloo, None)
+            slot.hook, slot.state = (mean_hook, reducer) if reducer else (allreduce_hook, None)
         dist._register_comm_hook(self.reducer, slot, slot_hook)

@@ -40,12 +40,13 @@ import contextlib
 import ctypes
 import mmap
 import os
-import platform
 import select
 import socket
 import struct
 import weakref
 from collections.abc import Callable
+
+from ...runtime.shared_memory_all_reduce import possible as stores_seen_in_order
 
 _COUNT = struct.Struct("<q")
 _HEADER = struct.Struct("<qq")
@@ -191,13 +192,9 @@ RING_BYTES = 4 << 20
 
 
 def rings_possible() -> bool:
-    """Whether this process can share rings (x86-64's store order; memfd and eventfd,
-    Linux's)."""
-    return (
-        platform.machine().lower() in ("x86_64", "amd64")
-        and hasattr(os, "memfd_create")
-        and hasattr(os, "eventfd")
-    )
+    """Whether this process can share rings (memory whose stores the peer sees in order,
+    and an eventfd)."""
+    return stores_seen_in_order() and hasattr(os, "eventfd")
 
 
 #: Per peer: (memfd, mapping, doorbell) of the ring this process reads from.
